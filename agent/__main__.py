@@ -1,0 +1,90 @@
+"""The `gpu-agent` command: parse arguments, set up logging, dispatch; the one catch-all.
+
+Owns: the command tree and exit codes (0 ok, 1 failure, 2 bad input such as config or usage,
+130 interrupted). Must not hold logic of its own: each command lives in the module that owns
+what it does, and is imported only when that command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from agent import __version__
+from agent.errors import AgentError
+
+log = logging.getLogger("agent")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from agent import _fast
+
+    print(f"gpu-agent {__version__}")
+    print(f"hot paths: {_fast.IMPLEMENTATION} "
+          f"(events: {_fast.events_impl.__name__}, topology: {_fast.topology_impl.__name__})")
+    print(f"python: {sys.version.split()[0]}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from agent.demo import run_demo
+
+    return run_demo(profile=args.profile, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-agent",
+        description="Kubernetes GPU device plugin that runs as a host service.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("GPU_AGENT_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (env GPU_AGENT_LOG_LEVEL; default info)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("status", help="show the build: version and which hot-path implementation is live")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "demo",
+        help="walk through a simulated GPU node, a simulated kubelet and the agent",
+    )
+    p.add_argument("--profile", default="dgx1-v100", help="simulated node profile (default dgx1-v100)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory for inspection")
+    p.set_defaults(func=_cmd_demo)
+
+    from agent.sim.cli import add_sim_commands
+
+    add_sim_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except AgentError as exc:
+        print(f"gpu-agent: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # the one catch-all: anything unexpected is a bug, shown with its trace
+        log.exception("gpu-agent %s failed unexpectedly", args.command)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

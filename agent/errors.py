@@ -1,0 +1,112 @@
+"""The exception hierarchy of gpu-agent, shared by the Python and the Cython code.
+
+Owns: every exception type the agent raises on purpose, and the one function that turns an
+NVML return code into an exception (`nvml_error`). Must not import anything of `agent`, so
+that `agent._fast` (compiled or pure) can depend on it alone.
+"""
+
+from __future__ import annotations
+
+# NVML return codes (nvml.h, nvmlReturn_t). Names without the NVML_ERROR_ prefix.
+NVML_SUCCESS = 0
+NVML_RETURN_NAMES = {
+    0: "SUCCESS",
+    1: "UNINITIALIZED",
+    2: "INVALID_ARGUMENT",
+    3: "NOT_SUPPORTED",
+    4: "NO_PERMISSION",
+    5: "ALREADY_INITIALIZED",
+    6: "NOT_FOUND",
+    7: "INSUFFICIENT_SIZE",
+    8: "INSUFFICIENT_POWER",
+    9: "DRIVER_NOT_LOADED",
+    10: "TIMEOUT",
+    11: "IRQ_ISSUE",
+    12: "LIBRARY_NOT_FOUND",
+    13: "FUNCTION_NOT_FOUND",
+    14: "CORRUPTED_INFOROM",
+    15: "GPU_IS_LOST",
+    16: "RESET_REQUIRED",
+    17: "OPERATING_SYSTEM",
+    18: "LIB_RM_VERSION_MISMATCH",
+    19: "IN_USE",
+    20: "MEMORY",
+    21: "NO_DATA",
+    22: "VGPU_ECC_NOT_SUPPORTED",
+    23: "INSUFFICIENT_RESOURCES",
+    24: "FREQ_NOT_SUPPORTED",
+    25: "ARGUMENT_VERSION_MISMATCH",
+    26: "DEPRECATED",
+    27: "NOT_READY",
+    28: "GPU_NOT_FOUND",
+    29: "INVALID_STATE",
+    999: "UNKNOWN",
+}
+NVML_CODES = {name: code for code, name in NVML_RETURN_NAMES.items()}
+
+
+class AgentError(Exception):
+    """Base of every error the agent raises on purpose; `main()` prints these without a trace."""
+
+    exit_code = 1
+
+
+class ConfigError(AgentError):
+    """A configuration value is wrong. The message names the key path and the file."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, problem: str, source: str = ""):
+        self.key = key
+        self.problem = problem
+        self.source = source
+        where = f" ({source})" if source else ""
+        super().__init__(f"{key}: {problem}{where}")
+
+
+class NvmlError(AgentError):
+    """An NVML call returned something other than NVML_SUCCESS."""
+
+    def __init__(self, code: int, function: str = ""):
+        self.code = code
+        self.name = NVML_RETURN_NAMES.get(code, f"code {code}")
+        self.function = function
+        prefix = f"{function}: " if function else ""
+        super().__init__(f"{prefix}NVML_ERROR_{self.name}")
+
+    @property
+    def is_timeout(self) -> bool:
+        return self.code == NVML_CODES["TIMEOUT"]
+
+    @property
+    def is_not_supported(self) -> bool:
+        return self.code == NVML_CODES["NOT_SUPPORTED"]
+
+    @property
+    def is_gpu_lost(self) -> bool:
+        return self.code == NVML_CODES["GPU_IS_LOST"]
+
+
+class NvmlLibraryError(AgentError):
+    """The NVML shared library could not be opened or lacks a function we need."""
+
+
+class SimError(AgentError):
+    """The simulated GPU node was asked for something it cannot do (bad profile, bad GPU)."""
+
+    exit_code = 2
+
+
+class StateError(AgentError):
+    """A checkpoint could not be read or written."""
+
+
+def nvml_error(code: int, function: str = "") -> NvmlError:
+    """Return the exception for NVML return `code`; the one place codes become exceptions."""
+    return NvmlError(int(code), function)
+
+
+def check_nvml(code: int, function: str = "") -> None:
+    """Raise `nvml_error(code)` unless `code` is NVML_SUCCESS."""
+    if code != NVML_SUCCESS:
+        raise nvml_error(code, function)
