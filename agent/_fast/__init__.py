@@ -11,15 +11,18 @@ import os
 log = logging.getLogger(__name__)
 
 if os.environ.get("GPU_AGENT_PURE_PYTHON", "") == "1":
-    from agent._fast import _events_py as events_impl, _topology_py as topology_impl
+    from agent._fast import _events_py as events_impl
+    from agent._fast import _topology_py as topology_impl
     IMPLEMENTATION = "python"
 else:
     try:
-        from agent._fast import events as events_impl, topology as topology_impl
+        from agent._fast import events as events_impl
+        from agent._fast import topology as topology_impl
         IMPLEMENTATION = "cython"
     except ImportError as exc:  # an unbuilt tree still runs, slower, and says so
         log.warning("compiled agent._fast not importable (%s); using the pure-Python twins", exc)
-        from agent._fast import _events_py as events_impl, _topology_py as topology_impl
+        from agent._fast import _events_py as events_impl
+        from agent._fast import _topology_py as topology_impl
         IMPLEMENTATION = "python"
 
 __all__ = ["IMPLEMENTATION", "events_impl", "topology_impl"]
