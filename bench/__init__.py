@@ -1,0 +1,64 @@
+"""Benchmarks for gpu-agent, run by `make bench` (`python -m bench`).
+
+Owns: timing helpers and the writer of docs/benchmarks.md. Each benchmark module exposes
+`run() -> Section`; figures are measured here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Section:
+    """One benchmark's findings: a title, what was measured and how, and a table."""
+
+    title: str
+    method: str
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank, of a non-empty sample list."""
+    ordered = sorted(samples)
+    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+def summarize(samples_s: list[float]) -> tuple[float, float]:
+    """(median, p99) of samples given in seconds, returned in microseconds."""
+    return statistics.median(samples_s) * 1e6, percentile(samples_s, 99) * 1e6
+
+
+def time_calls(fn, repeat: int, warmup: int = 10) -> list[float]:
+    """Wall time in seconds of each of `repeat` calls of fn(), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    clock = time.perf_counter
+    for _ in range(repeat):
+        start = clock()
+        fn()
+        out.append(clock() - start)
+    return out
+
+
+def machine() -> str:
+    """A one-line description of the machine the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
+            f"Python {platform.python_version()}")

@@ -1,0 +1,62 @@
+"""`python -m bench [NAME ...]`: run the benchmarks and write docs/benchmarks.md.
+
+Owns: the list of benchmark modules and the report layout. Sections come from each module's
+`run()`; with names given, only those run and the report holds only them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from bench import Section, machine
+
+MODULES = ["bench_topology", "bench_events"]
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def render(sections: list[Section]) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m bench`); do not edit by hand.",
+        "",
+        f"- Machine: {machine()}",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}",
+        "- Times are wall-clock; median and p99 by nearest rank. `cython` is the compiled",
+        "  module, `python` its pure-Python twin (GPU_AGENT_PURE_PYTHON=1).",
+        "",
+    ]
+    for s in sections:
+        lines += [f"## {s.title}", "", s.method, ""]
+        lines.append("| " + " | ".join(s.header) + " |")
+        lines.append("|" + "---|" * len(s.header))
+        lines += ["| " + " | ".join(row) + " |" for row in s.rows]
+        lines.append("")
+        lines += [f"- {n}" for n in s.notes]
+        if s.notes:
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {MODULES})")
+    parser.add_argument("--output", type=Path, default=REPORT, help="report path")
+    args = parser.parse_args(argv)
+    sections = []
+    for name in args.names or MODULES:
+        module = importlib.import_module(f"bench.{name}")
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        sections.append(module.run())
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(render(sections))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
