@@ -97,6 +97,13 @@ class SimError(AgentError):
     exit_code = 2
 
 
+class RequestError(AgentError):
+    """A kubelet request the agent refuses (unknown, duplicate or no device IDs, too many).
+
+    The gRPC layer answers it with INVALID_ARGUMENT and this message, and keeps serving.
+    """
+
+
 class StateError(AgentError):
     """A checkpoint could not be read or written."""
 

@@ -1,0 +1,183 @@
+"""GPU discovery and the link model, read through pynvml.
+
+Owns: turning NVML's view of the node into plain, immutable records (`Gpu`, `Link`) that the
+rest of the agent uses without touching NVML. Reads happen once per call of `discover()` /
+`read_links()`; callers cache them. Must not hold state, talk gRPC, or decide policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pynvml
+
+from agent.errors import NvmlError, nvml_error
+
+log = logging.getLogger(__name__)
+
+# NVML topology levels (nvmlGpuTopologyLevel_t) and their `nvidia-smi topo -m` names.
+LEVEL_NAMES = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+LEVEL_SYSTEM = 50
+NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
+_REMOTE_GPU = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+_REMOTE_SWITCH = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as NVML reports it."""
+
+    index: int
+    uuid: str
+    name: str
+    minor: int
+    pci_bus_id: str  # NVML form, e.g. 00000000:06:00.0
+    numa_node: int | None
+    memory_total: int  # bytes
+    compute_capability: tuple[int, int]
+    mig_enabled: bool
+
+    @property
+    def short_bus_id(self) -> str:
+        """The sysfs form of the bus id (4-digit domain, lower case): 0000:06:00.0."""
+        domain, rest = self.pci_bus_id.split(":", 1)
+        return f"{int(domain, 16):04x}:{rest.lower()}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """How two GPUs are joined: the PCIe common-ancestor level and the NVLinks between them."""
+
+    level: int  # one of LEVEL_NAMES (0 for a GPU with itself)
+    nvlinks: int = 0
+    via_switch: bool = False
+
+    @property
+    def label(self) -> str:
+        """The `nvidia-smi topo -m` cell for this pair: NV# when NVLinked, else the level."""
+        return f"NV{self.nvlinks}" if self.nvlinks else LEVEL_NAMES.get(self.level, "SYS")
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _call(fn, *args):
+    """Call a pynvml function, turning its NVMLError into agent.errors.NvmlError."""
+    try:
+        return fn(*args)
+    except pynvml.NVMLError as exc:
+        raise nvml_error(exc.value, fn.__name__) from exc
+
+
+def _numa_node(handle, bus_id: str, sys_root: Path) -> int | None:
+    """NUMA node of a GPU: sysfs first (what the kernel says), then NVML's memory affinity."""
+    domain, rest = bus_id.split(":", 1)
+    sysfs = sys_root / "bus/pci/devices" / f"{int(domain, 16):04x}:{rest.lower()}" / "numa_node"
+    try:
+        node = int(sysfs.read_text().strip())
+        return node if node >= 0 else None
+    except (OSError, ValueError):
+        pass
+    try:
+        mask = _call(pynvml.nvmlDeviceGetMemoryAffinity, handle, 1, pynvml.NVML_AFFINITY_SCOPE_NODE)
+    except NvmlError as exc:
+        log.debug("no NUMA node for %s: %s", bus_id, exc)
+        return None
+    word = int(mask[0])
+    return (word & -word).bit_length() - 1 if word else None
+
+
+def discover(sys_root: str = "/sys") -> list[Gpu]:
+    """Every physical GPU NVML reports, by index. NVML must be initialised."""
+    gpus = []
+    for index in range(_call(pynvml.nvmlDeviceGetCount)):
+        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+        pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
+        bus_id = _text(pci.busId)
+        try:
+            current, _pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
+            mig = current == pynvml.NVML_DEVICE_MIG_ENABLE
+        except NvmlError as exc:
+            if not exc.is_not_supported:
+                raise
+            mig = False
+        gpus.append(Gpu(
+            index=index,
+            uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
+            name=_text(_call(pynvml.nvmlDeviceGetName, handle)),
+            minor=_call(pynvml.nvmlDeviceGetMinorNumber, handle),
+            pci_bus_id=bus_id,
+            numa_node=_numa_node(handle, bus_id, Path(sys_root)),
+            memory_total=int(_call(pynvml.nvmlDeviceGetMemoryInfo, handle).total),
+            compute_capability=tuple(_call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)),
+            mig_enabled=mig,
+        ))
+    return gpus
+
+
+def _nvlink_peers(handle, bus_to_index: dict[str, int]) -> tuple[dict[int, int], int]:
+    """(links per peer GPU index, links to NVSwitches) of one GPU; unreadable links are skipped."""
+    peers: dict[int, int] = {}
+    switch_links = 0
+    for link in range(NVLINK_MAX_LINKS):
+        try:
+            if _call(pynvml.nvmlDeviceGetNvLinkState, handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+        except NvmlError:
+            continue  # link absent on this GPU, or NVLink not supported at all
+        try:
+            kind = _call(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link)
+        except NvmlError:
+            kind = _REMOTE_GPU  # older drivers: a remote end is a GPU
+        if kind == _REMOTE_SWITCH:
+            switch_links += 1
+            continue
+        try:
+            remote = _text(_call(pynvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link).busId)
+        except NvmlError:
+            continue
+        peer = bus_to_index.get(remote.lower())
+        if peer is not None:
+            peers[peer] = peers.get(peer, 0) + 1
+    return peers, switch_links
+
+
+def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
+    """The link model for every ordered pair of GPUs (i, j), i != j, keyed by GPU index.
+
+    A pair NVML cannot describe counts as the weakest level (SYS, no NVLink), so one GPU that
+    fell off the bus degrades the model instead of failing it.
+    """
+    handles = {}
+    for gpu in gpus:
+        try:
+            handles[gpu.index] = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
+        except NvmlError as exc:
+            log.warning("GPU %s (index %d) unreadable for topology: %s", gpu.uuid, gpu.index, exc)
+    bus_to_index = {gpu.pci_bus_id.lower(): gpu.index for gpu in gpus}
+    nv = {i: _nvlink_peers(h, bus_to_index) for i, h in handles.items()}
+    links: dict[tuple[int, int], Link] = {}
+    for a in gpus:
+        for b in gpus:
+            if a.index == b.index:
+                continue
+            level = LEVEL_SYSTEM
+            if a.index in handles and b.index in handles:
+                try:
+                    level = int(_call(pynvml.nvmlDeviceGetTopologyCommonAncestor,
+                                      handles[a.index], handles[b.index]))
+                except NvmlError as exc:
+                    log.warning("no PCIe level for GPUs %d and %d: %s", a.index, b.index, exc)
+            peers_a, switch_a = nv.get(a.index, ({}, 0))
+            _peers_b, switch_b = nv.get(b.index, ({}, 0))
+            direct = peers_a.get(b.index, 0)
+            if direct:
+                links[(a.index, b.index)] = Link(level, direct)
+            elif switch_a and switch_b:
+                links[(a.index, b.index)] = Link(level, min(switch_a, switch_b), via_switch=True)
+            else:
+                links[(a.index, b.index)] = Link(level)
+    return links

@@ -1,0 +1,130 @@
+"""What a container gets for its devices: the Allocate response, as NVIDIA's plugin builds it.
+
+Owns: request validation and the response for each device-list strategy (envvar,
+volume-mounts, cdi-annotations, cdi-cri), each device-ID strategy (uuid, index) and
+passDeviceSpecs. Plain data in and out; the gRPC layer copies it into protobuf. Must not
+import grpc nor call NVML.
+
+Compatibility notes (NVIDIA k8s-device-plugin behaviour kept on purpose):
+- envvar: NVIDIA_VISIBLE_DEVICES=<id,id>; volume-mounts replaces that value with the mount
+  root and adds one /dev/null mount per device ID, so with both, volume-mounts wins.
+- CDI names are `nvidia.com/gpu=<id>` with <id> per the device-ID strategy: the names that
+  `nvidia-ctk cdi generate` defines on the host (it emits both index and UUID names).
+- cdi-annotations: one annotation `<prefix>gpu-agent_<unique>` whose value is the
+  comma-separated CDI names; cdi-cri: the same names in `cdi_devices`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from agent.errors import RequestError
+from agent.rm.devices import Device
+
+DEVICE_LIST_ENVVAR = "NVIDIA_VISIBLE_DEVICES"
+VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+VOLUME_MOUNT_HOST_PATH = "/dev/null"
+CDI_KIND = "nvidia.com/gpu"
+# Control device nodes passed with passDeviceSpecs where they exist under the dev root.
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+                   "/dev/nvidia-modeset")
+LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+ID_STRATEGIES = ("uuid", "index")
+
+
+class Mount(NamedTuple):
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+class DeviceSpec(NamedTuple):
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """The settings that shape an Allocate response (from the effective config)."""
+
+    list_strategies: tuple[str, ...] = ("envvar",)
+    id_strategy: str = "uuid"
+    pass_device_specs: bool = False
+    cdi_annotation_prefix: str = "cdi.k8s.io/"
+    dev_root: str = "/"
+
+
+@dataclass
+class ContainerResponse:
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    devices: list[DeviceSpec] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: list[str] = field(default_factory=list)
+
+
+def resolve_request(resource: str, ids: Sequence[str], known: Mapping[str, Device]) -> list[Device]:
+    """The devices a container request names, in request order; RequestError if it is empty,
+    repeats an ID, or names an ID this resource does not advertise."""
+    if not ids:
+        raise RequestError(f"invalid allocation request for '{resource}': no device IDs")
+    seen: set[str] = set()
+    for device_id in ids:
+        if device_id in seen:
+            raise RequestError(
+                f"invalid allocation request for '{resource}': duplicate device: {device_id}")
+        seen.add(device_id)
+        if device_id not in known:
+            raise RequestError(
+                f"invalid allocation request for '{resource}': unknown device: {device_id}")
+    return [known[i] for i in ids]
+
+
+def _response_ids(devices: Sequence[Device], id_strategy: str) -> list[str]:
+    if id_strategy == "index":
+        return [d.index for d in devices]
+    return [d.id for d in devices]
+
+
+def _device_specs(devices: Sequence[Device], dev_root: str) -> list[DeviceSpec]:
+    specs = []
+    for path in CONTROL_DEVICES:
+        host = os.path.join(dev_root, path.lstrip("/"))
+        if os.path.exists(host):
+            specs.append(DeviceSpec(path, host))
+    for device in devices:
+        for path in device.paths:
+            specs.append(DeviceSpec(path, os.path.join(dev_root, path.lstrip("/"))))
+    return specs
+
+
+def container_response(devices: Sequence[Device], opts: ResponseOptions,
+                       response_id: str | None = None) -> ContainerResponse:
+    """The ContainerAllocateResponse for `devices` under `opts`.
+
+    `response_id` makes the CDI annotation key unique; a random UUID when not given.
+    """
+    ids = _response_ids(devices, opts.id_strategy)
+    response = ContainerResponse()
+    strategies = set(opts.list_strategies)
+    cdi_names = [f"{CDI_KIND}={i}" for i in ids]
+    if "cdi-annotations" in strategies:
+        key = f"{opts.cdi_annotation_prefix}gpu-agent_{response_id or uuid.uuid4()}"
+        response.annotations[key] = ",".join(cdi_names)
+    if "cdi-cri" in strategies:
+        response.cdi_devices = cdi_names
+    if "envvar" in strategies:
+        response.envs[DEVICE_LIST_ENVVAR] = ",".join(ids)
+    if "volume-mounts" in strategies:
+        response.envs[DEVICE_LIST_ENVVAR] = VOLUME_MOUNT_ROOT
+        response.mounts = [
+            Mount(f"{VOLUME_MOUNT_ROOT}/{i}", VOLUME_MOUNT_HOST_PATH, False) for i in ids
+        ]
+    if opts.pass_device_specs:
+        response.devices = _device_specs(devices, opts.dev_root)
+    return response
