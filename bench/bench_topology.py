@@ -7,7 +7,6 @@ one switch, quads behind a switch tree, host bridges, NUMA nodes, sockets) at 8,
 from __future__ import annotations
 
 from agent._fast import _topology_py, topology
-
 from bench import Section, summarize, time_calls
 
 IMPLS = {"cython": topology, "python": _topology_py}
@@ -47,7 +46,7 @@ def run() -> Section:
         results = {}
         for name, impl in IMPLS.items():
             assert impl.build_tree(levels) == IMPLS["python"].build_tree(levels)
-            results[name] = summarize(time_calls(lambda impl=impl: impl.build_tree(levels), 2000))
+            results[name] = summarize(time_calls(lambda impl=impl, levels=levels: impl.build_tree(levels), 2000))
         (cm, cp), (pm, pp) = results["cython"], results["python"]
         section.rows.append([str(n), f"{cm:.1f}", f"{cp:.1f}", f"{pm:.1f}", f"{pp:.1f}",
                              f"{pm / cm:.1f}×"])
