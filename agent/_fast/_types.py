@@ -1,0 +1,139 @@
+"""Plain-Python types and input checks shared by the compiled hot paths and their twins.
+
+Owns: the `Event` record both event loops return, the NVML constants both use (event types,
+topology levels, the wait cap), and the argument checks whose wording must be identical in both
+implementations. Must not import anything of `agent` but `errors`, nor do any NVML calls.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+from agent.errors import NvmlLibraryError
+
+# NVML event types (nvmlEventType*), bits of an event mask.
+EVENT_SINGLE_BIT_ECC = 0x1
+EVENT_DOUBLE_BIT_ECC = 0x2
+EVENT_PSTATE = 0x4
+EVENT_XID_CRITICAL = 0x8
+EVENT_CLOCK = 0x10
+EVENT_POWER_SOURCE = 0x80
+EVENT_MIG_CONFIG_CHANGE = 0x100
+
+# NVML topology levels (nvmlGpuTopologyLevel_t): the closest common ancestor of two GPUs.
+TOPOLOGY_INTERNAL = 0
+TOPOLOGY_SINGLE = 10      # PIX: one PCIe switch
+TOPOLOGY_MULTIPLE = 20    # PXB: several PCIe switches, no host bridge
+TOPOLOGY_HOSTBRIDGE = 30  # PHB: the same host bridge
+TOPOLOGY_NODE = 40        # the same NUMA node
+TOPOLOGY_SYSTEM = 50      # SYS: across NUMA nodes (SMP interconnect)
+
+# No single wait blocks longer than this: the caller gets control back to check its stop flag.
+MAX_WAIT_MS = 5000
+# Topology groups are uint64_t bitmasks, one bit per GPU index.
+MAX_GPUS = 64
+# Largest topology level accepted (a C int); thresholds beyond the range are clamped into it.
+MAX_LEVEL = 2**31 - 1
+# Buffer for nvmlDeviceGetUUID (NVML_DEVICE_UUID_V2_BUFFER_SIZE).
+UUID_BUFFER_SIZE = 96
+# gpuInstanceId / computeInstanceId of an event on a GPU that is not a MIG instance.
+NO_INSTANCE = 0xFFFFFFFF
+
+
+class Event(NamedTuple):
+    """One NVML event, as `EventSet.wait()` returns it (the same type from both implementations).
+
+    `index` and `uuid` are the GPU the event's device handle names, resolved at wait time with
+    nvmlDeviceGetIndex / nvmlDeviceGetUUID. Each is None when it cannot be known: the event
+    carries no device handle, or NVML cannot resolve it. A caller must then treat the event as
+    concerning every GPU it watches (as NVIDIA's device plugin does), never as concerning none.
+    `xid` is the event's eventData: the XID for XidCriticalError events, raw data otherwise.
+    `gpu_instance_id` / `compute_instance_id` are passed through as NVML gives them
+    (NO_INSTANCE, 0xFFFFFFFF, when the event is not about a MIG instance).
+    """
+
+    index: int | None
+    uuid: str | None
+    event_type: int
+    xid: int
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
+def check_gpu_index(index: object) -> int:
+    """`index` as an int in [0, 2**32); TypeError / ValueError otherwise."""
+    value = operator.index(index)
+    if not 0 <= value < 2**32:
+        raise ValueError(f"GPU index must be in [0, 2**32), got {value}")
+    return value
+
+
+def check_event_mask(event_types: object) -> int:
+    """`event_types` as an int in [0, 2**64); TypeError / ValueError otherwise."""
+    value = operator.index(event_types)
+    if not 0 <= value < 2**64:
+        raise ValueError(f"event type mask must be in [0, 2**64), got {value:#x}")
+    return value
+
+
+def check_timeout(timeout_ms: object) -> int:
+    """`timeout_ms` capped to MAX_WAIT_MS; TypeError / ValueError when not a non-negative int."""
+    value = operator.index(timeout_ms)
+    if value < 0:
+        raise ValueError(f"timeout_ms must be >= 0, got {value}")
+    return min(value, MAX_WAIT_MS)
+
+
+def check_level(value: object, i: int, j: int) -> int:
+    """Topology level levels[i][j] as an int in [0, MAX_LEVEL]; TypeError / ValueError otherwise."""
+    try:
+        level = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"levels[{i}][{j}] must be an integer topology level, got {type(value).__name__}"
+        ) from None
+    if not 0 <= level <= MAX_LEVEL:
+        raise ValueError(f"levels[{i}][{j}] = {level} is not a topology level (0..{MAX_LEVEL})")
+    return level
+
+
+def check_threshold(threshold: object) -> int:
+    """`threshold` as an int clamped to [-1, MAX_LEVEL] (no answer changes by clamping)."""
+    return max(-1, min(operator.index(threshold), MAX_LEVEL))
+
+
+def too_many_gpus(n: int) -> ValueError:
+    return ValueError(f"topology of {n} GPUs: at most {MAX_GPUS} are supported (uint64_t masks)")
+
+
+def not_square(i: int, length: int, n: int) -> ValueError:
+    return ValueError(f"levels must be square: row {i} has {length} entries, expected {n}")
+
+
+def not_symmetric(i: int, j: int, a: int, b: int) -> ValueError:
+    return ValueError(f"levels must be symmetric: levels[{i}][{j}] = {a} but levels[{j}][{i}] = {b}")
+
+
+def cannot_open(path: str, reason: str) -> NvmlLibraryError:
+    return NvmlLibraryError(
+        f"cannot open NVML library {path}: {reason}; is the NVIDIA driver installed and is the "
+        f"library path right?"
+    )
+
+
+def missing_symbol(path: str, name: str) -> NvmlLibraryError:
+    return NvmlLibraryError(
+        f"NVML library {path} lacks {name}; the driver is too old or this is not libnvidia-ml"
+    )
+
+
+def wait_in_progress(action: str) -> RuntimeError:
+    return RuntimeError(
+        f"{action} while another thread waits on this EventSet; stop the waiter first "
+        f"(each wait returns within {MAX_WAIT_MS} ms)"
+    )
+
+
+def closed_set() -> ValueError:
+    return ValueError("operation on a closed EventSet")

@@ -1,0 +1,258 @@
+"""NVML event loop primitive: an event set waited on with the GIL released (twin: _events_py.py).
+
+Owns: opening the NVML library with dlopen (no link-time dependency on the driver), one
+nvmlInit_v2 / nvmlShutdown pair and one NVML event set per `EventSet`, registering GPUs on it,
+and bounded waits (<= MAX_WAIT_MS) that release the GIL around nvmlEventSetWait_v2 only. Every
+NVML return code becomes an exception in `_check`, through agent.errors.nvml_error.
+Must not: decide what an event means (the health code does), loop forever, import anything of
+`agent` but `errors` and the sibling `_types`. Answers must equal the twin's.
+
+Open the same path that agent.nvml.library loaded, so this module, pynvml and the rest of the
+process share one copy of the library (dlopen answers an already loaded path with that copy).
+"""
+
+import logging
+import os
+
+from libc.string cimport memset
+from posix.dlfcn cimport RTLD_GLOBAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
+
+from agent._fast.nvml cimport *
+
+from agent._fast._types import (
+    MAX_WAIT_MS,
+    Event,
+    cannot_open,
+    check_event_mask,
+    check_gpu_index,
+    check_timeout,
+    closed_set,
+    missing_symbol,
+    wait_in_progress,
+)
+from agent.errors import nvml_error
+
+__all__ = ["MAX_WAIT_MS", "Event", "EventSet"]
+
+log = logging.getLogger(__name__)
+
+
+cdef int _check(nvmlReturn_t ret, str function) except -1:
+    """The one place this module turns an NVML return code into an exception."""
+    if ret != NVML_SUCCESS:
+        raise nvml_error(ret, function)
+    return 0
+
+
+cdef struct Api:
+    # The NVML functions we call, resolved with dlsym from the one dlopen handle.
+    nvmlInit_v2_fn init
+    nvmlShutdown_fn shutdown
+    nvmlDeviceGetHandleByIndex_v2_fn get_handle_by_index
+    nvmlDeviceGetIndex_fn get_index
+    nvmlDeviceGetUUID_fn get_uuid
+    nvmlDeviceGetSupportedEventTypes_fn get_supported_event_types
+    nvmlDeviceRegisterEvents_fn register_events
+    nvmlEventSetCreate_fn event_set_create
+    nvmlEventSetWait_v2_fn event_set_wait
+    nvmlEventSetFree_fn event_set_free
+
+
+cdef void* _symbol(void* lib, str name, str path) except NULL:
+    cdef bytes cname = name.encode("ascii")
+    cdef void* address = dlsym(lib, cname)
+    if address == NULL:
+        raise missing_symbol(path, name)
+    return address
+
+
+cdef int _resolve(void* lib, Api* api, str path) except -1:
+    api.init = <nvmlInit_v2_fn>_symbol(lib, "nvmlInit_v2", path)
+    api.shutdown = <nvmlShutdown_fn>_symbol(lib, "nvmlShutdown", path)
+    api.get_handle_by_index = <nvmlDeviceGetHandleByIndex_v2_fn>_symbol(
+        lib, "nvmlDeviceGetHandleByIndex_v2", path)
+    api.get_index = <nvmlDeviceGetIndex_fn>_symbol(lib, "nvmlDeviceGetIndex", path)
+    api.get_uuid = <nvmlDeviceGetUUID_fn>_symbol(lib, "nvmlDeviceGetUUID", path)
+    api.get_supported_event_types = <nvmlDeviceGetSupportedEventTypes_fn>_symbol(
+        lib, "nvmlDeviceGetSupportedEventTypes", path)
+    api.register_events = <nvmlDeviceRegisterEvents_fn>_symbol(
+        lib, "nvmlDeviceRegisterEvents", path)
+    api.event_set_create = <nvmlEventSetCreate_fn>_symbol(lib, "nvmlEventSetCreate", path)
+    api.event_set_wait = <nvmlEventSetWait_v2_fn>_symbol(lib, "nvmlEventSetWait_v2", path)
+    api.event_set_free = <nvmlEventSetFree_fn>_symbol(lib, "nvmlEventSetFree", path)
+    return 0
+
+
+cdef class EventSet:
+    """One NVML event set on the library at `library_path`: dlopen(RTLD_NOW | RTLD_GLOBAL), every
+    symbol resolved up front (NvmlLibraryError naming a missing one), nvmlInit_v2 (NVML counts
+    inits), nvmlEventSetCreate. `close()` (or leaving a `with` block) frees the set and calls
+    nvmlShutdown once. One thread may wait at a time; register() may run beside it.
+    """
+
+    cdef void* _lib
+    cdef Api _api
+    cdef nvmlEventSet_t _set
+    cdef bint _initialised
+    cdef bint _closed
+    cdef bint _waiting
+    cdef readonly str library_path
+
+    def __cinit__(self, *args, **kwargs):
+        self._lib = NULL
+        self._set = NULL
+        self._initialised = False
+        self._closed = False
+        self._waiting = False
+
+    def __init__(self, library_path):
+        cdef const char* reason
+        cdef const char* failed
+        cdef nvmlReturn_t ret
+        if self._lib != NULL or self._closed:
+            raise RuntimeError("EventSet.__init__ called twice")
+        path = os.fspath(library_path)
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        self.library_path = path
+        cdef bytes cpath = os.fsencode(path)
+        self._lib = dlopen(cpath, RTLD_NOW | RTLD_GLOBAL)
+        if self._lib == NULL:
+            reason = dlerror()
+            self._closed = True
+            raise cannot_open(path, (<bytes>reason).decode("utf-8", "replace")
+                              if reason != NULL else "dlopen failed")
+        try:
+            _resolve(self._lib, &self._api, path)
+            _check(self._api.init(), "nvmlInit_v2")
+            self._initialised = True
+            _check(self._api.event_set_create(&self._set), "nvmlEventSetCreate")
+        except BaseException:
+            self._closed = True
+            ret = self._release(&failed)
+            if ret != NVML_SUCCESS:  # already raising the first error; this one is only logged
+                log.warning("cleaning up a failed EventSet(%s): %s", path,
+                            nvml_error(ret, (<bytes>failed).decode("ascii")))
+            raise
+
+    def __dealloc__(self):
+        # Not closed by the owner: free what we hold. Nothing may raise here, so a failing
+        # nvmlEventSetFree / nvmlShutdown has nowhere to go; close() is the way to see it.
+        cdef const char* failed
+        self._release(&failed)
+
+    cdef nvmlReturn_t _release(self, const char** failed) noexcept:
+        """Free the set, shut NVML down once, dlclose; the first failing code (and its function)."""
+        cdef nvmlReturn_t ret, first = NVML_SUCCESS
+        failed[0] = NULL
+        if self._set != NULL:
+            ret = self._api.event_set_free(self._set)
+            self._set = NULL
+            if ret != NVML_SUCCESS and first == NVML_SUCCESS:
+                first, failed[0] = ret, "nvmlEventSetFree"
+        if self._initialised:
+            ret = self._api.shutdown()
+            self._initialised = False
+            if ret != NVML_SUCCESS and first == NVML_SUCCESS:
+                first, failed[0] = ret, "nvmlShutdown"
+        if self._lib != NULL:
+            dlclose(self._lib)
+            self._lib = NULL
+        return first
+
+    @property
+    def closed(self):
+        """True once close() ran (or the constructor failed)."""
+        return self._closed
+
+    def register(self, index, event_types):
+        """Register GPU `index` for `event_types` masked with what it supports
+        (nvmlDeviceGetSupportedEventTypes); returns the mask registered. 0 means none of the
+        requested types is supported there: nothing is registered, and it is no error.
+        NvmlError from NVML (NOT_SUPPORTED where the GPU has no events at all, INVALID_ARGUMENT
+        for an index beyond the GPUs, GPU_IS_LOST, ...).
+        """
+        cdef unsigned int c_index = check_gpu_index(index)
+        cdef unsigned long long wanted = check_event_mask(event_types)
+        cdef unsigned long long supported = 0
+        cdef nvmlDevice_t device = NULL
+        if self._closed:
+            raise closed_set()
+        _check(self._api.get_handle_by_index(c_index, &device), "nvmlDeviceGetHandleByIndex_v2")
+        _check(self._api.get_supported_event_types(device, &supported),
+               "nvmlDeviceGetSupportedEventTypes")
+        wanted &= supported
+        if wanted:
+            _check(self._api.register_events(device, wanted, self._set),
+                   "nvmlDeviceRegisterEvents")
+        return wanted
+
+    def wait(self, timeout_ms):
+        """Wait up to min(timeout_ms, MAX_WAIT_MS) for the next event, with the GIL released.
+        None on NVML_ERROR_TIMEOUT; NvmlError on any other failure (GPU_IS_LOST, ...).
+        The caller loops, checking its stop flag between waits.
+        """
+        cdef unsigned int c_timeout = check_timeout(timeout_ms)
+        cdef nvmlEventData_t data
+        cdef nvmlReturn_t ret
+        # No Python calls from here to `_waiting = True`: the GIL is not given up in between,
+        # so close() on another thread sees either a closed set here or a wait in progress.
+        if self._closed:
+            raise closed_set()
+        if self._waiting:
+            raise wait_in_progress("wait()")
+        self._waiting = True
+        memset(&data, 0, sizeof(data))
+        with nogil:
+            ret = self._api.event_set_wait(self._set, &data, c_timeout)
+        self._waiting = False
+        if ret == NVML_ERROR_TIMEOUT:
+            return None
+        _check(ret, "nvmlEventSetWait_v2")
+        return self._event(&data)
+
+    cdef object _event(self, const nvmlEventData_t* data):
+        """The Event for `data`: index and UUID resolved from its device handle, else None."""
+        cdef unsigned int c_index = 0
+        cdef char uuid_buf[NVML_DEVICE_UUID_V2_BUFFER_SIZE]
+        index = None
+        uuid = None
+        if data.device != NULL:
+            # A handle NVML cannot resolve leaves the field None (see Event): the event itself
+            # is still delivered, so an XID on a GPU that is going away is never dropped here.
+            if self._api.get_index(data.device, &c_index) == NVML_SUCCESS:
+                index = c_index
+            memset(uuid_buf, 0, sizeof(uuid_buf))
+            if self._api.get_uuid(data.device, uuid_buf, sizeof(uuid_buf)) == NVML_SUCCESS:
+                uuid_buf[sizeof(uuid_buf) - 1] = 0
+                uuid = (<bytes>uuid_buf).decode("utf-8", "replace")
+        return Event(index, uuid, data.eventType, data.eventData,
+                     data.gpuInstanceId, data.computeInstanceId)
+
+    def close(self):
+        """Free the event set and call nvmlShutdown once; later calls do nothing.
+
+        RuntimeError while another thread is inside wait() (stop it first: it returns within
+        MAX_WAIT_MS). NvmlError if freeing or shutting down failed (after doing both).
+        """
+        cdef const char* failed
+        cdef nvmlReturn_t ret
+        if self._closed:
+            return
+        if self._waiting:
+            raise wait_in_progress("close()")
+        self._closed = True
+        ret = self._release(&failed)
+        if ret != NVML_SUCCESS:
+            _check(ret, (<bytes>failed).decode("ascii"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return f"<EventSet {self.library_path!r} {state}>"
