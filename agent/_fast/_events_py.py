@@ -83,16 +83,16 @@ class EventSet:
         self._closed = False
         self._waiting = False
         path = os.fspath(library_path)
-        self.library_path = os.fsdecode(path) if isinstance(path, bytes) else path
+        self._library_path = os.fsdecode(path) if isinstance(path, bytes) else path
         try:
-            lib = ctypes.CDLL(self.library_path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(self._library_path, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             self._closed = True
-            raise cannot_open(self.library_path, str(exc)) from exc
+            raise cannot_open(self._library_path, str(exc)) from exc
         for name in _SYMBOLS:
             if not hasattr(lib, name):
                 self._closed = True
-                raise missing_symbol(self.library_path, name)
+                raise missing_symbol(self._library_path, name)
         try:
             _call("nvmlInitWithFlags", pynvml.nvmlInit)
             self._initialised = True
@@ -101,7 +101,7 @@ class EventSet:
             self._closed = True
             error = self._release()
             if error is not None:  # already raising the first error; this one is only logged
-                log.warning("cleaning up a failed EventSet(%s): %s", self.library_path, error)
+                log.warning("cleaning up a failed EventSet(%s): %s", self._library_path, error)
             raise
 
     def __del__(self):
@@ -127,6 +127,11 @@ class EventSet:
             except NvmlError as exc:
                 first = first or exc
         return first
+
+    @property
+    def library_path(self) -> str:
+        """The path this set's NVML library was opened from."""
+        return self._library_path
 
     @property
     def closed(self) -> bool:
@@ -210,4 +215,4 @@ class EventSet:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<EventSet {self.library_path!r} {state}>"
+        return f"<EventSet {self._library_path!r} {state}>"
