@@ -138,6 +138,11 @@ class EventSet:
         """True once close() ran (or the constructor failed)."""
         return self._closed
 
+    @property
+    def waiting(self) -> bool:
+        """True while a thread is inside wait() (close() must wait for it to come back)."""
+        return self._waiting
+
     def register(self, index: int, event_types: int) -> int:
         """Register GPU `index` for `event_types` masked with what it supports; the mask registered.
 

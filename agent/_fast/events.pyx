@@ -165,6 +165,11 @@ cdef class EventSet:
         """True once close() ran (or the constructor failed)."""
         return self._closed
 
+    @property
+    def waiting(self):
+        """True while a thread is inside wait() (close() must wait for it to come back)."""
+        return self._waiting
+
     def register(self, index, event_types):
         """Register GPU `index` for `event_types` masked with what it supports
         (nvmlDeviceGetSupportedEventTypes); returns the mask registered. 0 means none of the
