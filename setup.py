@@ -99,7 +99,10 @@ def fast_extensions():
         directives.update(boundscheck=True, wraparound=True, nonecheck=True)
     else:
         directives.update(boundscheck=False, wraparound=False)
-    return cythonize(exts, compiler_directives=directives, quiet=True)
+    # cythonize regenerates C only when the .pyx is newer, not when directives change: the
+    # debug build keeps its C apart so it never reuses (nor leaves behind) the release C.
+    build_dir = "build/cython-debug" if DEBUG else None
+    return cythonize(exts, compiler_directives=directives, quiet=True, build_dir=build_dir)
 
 
 setup(ext_modules=fast_extensions(), cmdclass={"build_ext": BuildExtWithSim})
