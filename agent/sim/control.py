@@ -1,0 +1,225 @@
+"""Run-time faults for the simulated NVML: the control channel's writer side.
+
+Owns: the record format of `<control dir>/control.log` and appending records to it (one
+O_APPEND write per record, so concurrent writers never interleave), the Python API
+(`inject_xid`, `lose`, `restore`, `ecc`) and the `gpu-agent sim inject-xid|lose|restore|ecc`
+commands built on it. The simulated library (agent/sim/nvml/control.c) is the reader: it
+follows the log with inotify, wakes blocked event waits and derives lost/ECC state from it.
+
+Must not read the log back, talk to NVML, or decide what a record means for a GPU: that is
+the library's job, so every process that loaded it sees the same node.
+
+Record lines (docs/simulator.md):
+    xid gpu=<index|GPU-uuid|MIG-uuid|none> xid=<n> gi=<n> ci=<n>
+    ecc gpu=<...> type=sbe|dbe
+    lose gpu=<...>
+    restore gpu=<...>
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Union
+
+from agent.errors import SimError
+from agent.sim import ENV_CONTROL, ENV_PROFILE
+
+log = logging.getLogger(__name__)
+
+LOG_NAME = "control.log"
+NO_INSTANCE = 0xFFFFFFFF  # GI/CI of an XID that names no MIG instance
+_MAX_U64 = 2**64 - 1
+_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+
+GpuSpec = Union[int, str, None]
+
+
+def control_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The control directory: `explicit`, else $GPU_AGENT_SIM_CONTROL; it must exist."""
+    raw = explicit if explicit is not None else os.environ.get(ENV_CONTROL, "")
+    if not str(raw):
+        raise SimError(
+            f"no control directory: set {ENV_CONTROL} (or pass --control-dir) to the directory "
+            f"the simulated NVML library was started with"
+        )
+    path = Path(raw)
+    if not path.is_dir():
+        raise SimError(f"control directory {path} does not exist or is not a directory "
+                       f"({ENV_CONTROL})")
+    return path
+
+
+def _gpu_spec(gpu: GpuSpec, allow_none: bool = False) -> str:
+    """Validate a GPU reference (index, GPU-/MIG- UUID, or None/'none') for a record."""
+    if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() == "none"):
+        if allow_none:
+            return "none"
+        raise SimError("--gpu none is only valid for inject-xid (an event that names no GPU)")
+    if isinstance(gpu, bool):
+        raise SimError(f"--gpu {gpu!r}: expected a GPU index or UUID")
+    if isinstance(gpu, int):
+        if gpu < 0:
+            raise SimError(f"--gpu {gpu}: a GPU index cannot be negative")
+        spec = str(gpu)
+    else:
+        spec = str(gpu).strip()
+        if spec.isdigit():
+            spec = str(int(spec))
+        elif not _UUID_RE.match(spec):
+            raise SimError(
+                f"--gpu {gpu!r}: expected a GPU index (0, 1, ...), a GPU-/MIG- UUID"
+                + (" or 'none'" if allow_none else "")
+            )
+    _check_against_profile(spec)
+    return spec
+
+
+def _check_against_profile(spec: str) -> None:
+    """When $GPU_AGENT_SIM_PROFILE names the node, reject GPUs it does not have."""
+    name = os.environ.get(ENV_PROFILE)
+    if not name:
+        return
+    from agent.sim.profile import load_profile
+
+    profile = load_profile(name)
+    gpus = profile["gpus"]
+    if spec.isdigit():
+        if int(spec) >= len(gpus):
+            raise SimError(f"--gpu {spec}: profile {profile['name']} has GPUs 0-{len(gpus) - 1}")
+        return
+    uuids = {g["uuid"] for g in gpus}
+    uuids.update(m["uuid"] for g in gpus for m in g.get("mig", {}).get("instances", []))
+    if spec not in uuids:
+        raise SimError(f"--gpu {spec}: no GPU or MIG device with that UUID in profile "
+                       f"{profile['name']}")
+
+
+def _u(value: int, what: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise SimError(f"{what} {value!r}: expected an integer from 0 to {limit}")
+    return value
+
+
+def append_record(ctl: str | os.PathLike | None, record: str) -> str:
+    """Append one record line to the control log with a single O_APPEND write; return it."""
+    directory = control_dir(ctl)
+    line = (record.strip() + "\n").encode()
+    fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                 0o644)
+    try:
+        written = os.write(fd, line)
+    finally:
+        os.close(fd)
+    if written != len(line):
+        raise SimError(f"short write to {directory / LOG_NAME} ({written} of {len(line)} bytes)")
+    log.debug("control record: %s", record)
+    return record
+
+
+def inject_xid(control_dir: str | os.PathLike | None, gpu: GpuSpec, xid: int,
+               gi: int | None = None, ci: int | None = None) -> str:
+    """Deliver an XidCriticalError event (type 0x8, data = xid) for `gpu`.
+
+    `gpu` is an index, a GPU-/MIG- UUID, or None for an event that names no GPU (delivered to
+    every event set). `gi`/`ci` default to 0xFFFFFFFF (no MIG instance), or to the instance's
+    ids when `gpu` is a MIG UUID.
+    """
+    spec = _gpu_spec(gpu, allow_none=True)
+    parts = [f"xid gpu={spec}", f"xid={_u(xid, 'XID', _MAX_U64)}"]
+    if gi is not None:
+        parts.append(f"gi={_u(gi, 'GPU instance id', NO_INSTANCE)}")
+    elif not spec.startswith("MIG-"):
+        parts.append(f"gi={NO_INSTANCE}")
+    if ci is not None:
+        parts.append(f"ci={_u(ci, 'compute instance id', NO_INSTANCE)}")
+    elif not spec.startswith("MIG-"):
+        parts.append(f"ci={NO_INSTANCE}")
+    return append_record(control_dir, " ".join(parts))
+
+
+def lose(control_dir: str | os.PathLike | None, gpu: GpuSpec) -> str:
+    """Mark `gpu` lost: its calls return GPU_IS_LOST and waits that registered it return it once."""
+    return append_record(control_dir, f"lose gpu={_gpu_spec(gpu)}")
+
+
+def restore(control_dir: str | os.PathLike | None, gpu: GpuSpec) -> str:
+    """Bring a lost `gpu` back."""
+    return append_record(control_dir, f"restore gpu={_gpu_spec(gpu)}")
+
+
+def ecc(control_dir: str | os.PathLike | None, gpu: GpuSpec, double_bit: bool = True) -> str:
+    """Count one ECC error on `gpu` and deliver its event (0x2 double-bit, 0x1 single-bit)."""
+    kind = "dbe" if double_bit else "sbe"
+    return append_record(control_dir, f"ecc gpu={_gpu_spec(gpu)} type={kind}")
+
+
+# ---- command line ----
+
+def _int_arg(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, gpu_help: str) -> None:
+    p.add_argument("--gpu", required=True, help=gpu_help)
+    p.add_argument("--control-dir", default=None,
+                   help=f"control directory (default: ${ENV_CONTROL})")
+
+
+def _cmd_inject_xid(args: argparse.Namespace) -> int:
+    record = inject_xid(args.control_dir, args.gpu, args.xid, gi=args.gi, ci=args.ci)
+    print(record)
+    return 0
+
+
+def _cmd_lose(args: argparse.Namespace) -> int:
+    print(lose(args.control_dir, args.gpu))
+    return 0
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    print(restore(args.control_dir, args.gpu))
+    return 0
+
+
+def _cmd_ecc(args: argparse.Namespace) -> int:
+    print(ecc(args.control_dir, args.gpu, double_bit=args.double_bit))
+    return 0
+
+
+def add_cli(simsub: argparse._SubParsersAction) -> None:
+    """Declare `gpu-agent sim inject-xid|lose|restore|ecc`."""
+    p = simsub.add_parser("inject-xid", help="deliver an XID critical-error event")
+    _add_common(p, "GPU index, GPU-/MIG- UUID, or 'none' for an event that names no GPU")
+    p.add_argument("--xid", required=True, type=_int_arg, help="the XID number (event data)")
+    p.add_argument("--gi", type=_int_arg, default=None,
+                   help="GPU instance id (default 0xFFFFFFFF: none)")
+    p.add_argument("--ci", type=_int_arg, default=None,
+                   help="compute instance id (default 0xFFFFFFFF: none)")
+    p.set_defaults(func=_cmd_inject_xid)
+
+    p = simsub.add_parser("lose", help="make a GPU fall off the bus (GPU_IS_LOST)")
+    _add_common(p, "GPU index or UUID")
+    p.set_defaults(func=_cmd_lose)
+
+    p = simsub.add_parser("restore", help="bring a lost GPU back")
+    _add_common(p, "GPU index or UUID")
+    p.set_defaults(func=_cmd_restore)
+
+    p = simsub.add_parser("ecc", help="count an ECC error and deliver its event")
+    _add_common(p, "GPU index or UUID")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--double-bit", dest="double_bit", action="store_true",
+                      help="uncorrectable (event 0x2)")
+    kind.add_argument("--single-bit", dest="double_bit", action="store_false",
+                      help="correctable (event 0x1)")
+    p.set_defaults(func=_cmd_ecc)
