@@ -1,21 +1,225 @@
-"""The simulated kubelet: device-plugin registration, ListAndWatch, allocation and podresources.
+"""The simulated kubelet: what tests, benchmarks and the demo run instead of a real kubelet.
 
-Owns: the `gpu-agent sim kubelet` command. Must not import grpc at module import time (the CLI
-builds its parser by importing this module).
+It behaves like kubelet's device manager (>= 1.25) towards a device plugin: it serves
+`Registration` on DIR/kubelet.sock, checks the version and the resource name, dials the plugin
+back before answering, keeps one ListAndWatch stream per resource (never restarted: when it ends
+the devices turn unhealthy until the plugin registers again), allocates devices for pods through
+GetPreferredAllocation / Allocate / PreStartContainer, serves podresources v1, and on "restart"
+deletes every socket in DIR. Its own control API (proto/simkubelet/v1/control.proto, on
+DIR/sim-control/kubelet-control.sock) lets tests see what it saw and act as the cluster would.
+
+Owns: the `gpu-agent sim kubelet|kubelet-state|admit|delete-pod|kubelet-restart` commands, the
+socket layout, the public names below and the errors. Must not import grpc at import time: the
+`gpu-agent` parser imports this module, so the heavy parts live in private modules loaded on use:
+
+- `_kubelet_manager`: the device manager (registrations, streams, allocation, events)
+- `_kubelet_server`: `SimKubelet`, the gRPC servers (Registration, podresources, control)
+- `_kubelet_client`: `SimKubeletClient` and the state it returns
+
+Public names: SimKubelet, SimKubeletClient, KubeletState (and its parts), the errors, the paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import Any
+
+from agent.errors import SimError
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+CONTROL_SUBDIR = "sim-control"
+CONTROL_SOCKET = "kubelet-control.sock"
+PODRESOURCES_SUBDIR = "pod-resources"
+# kubelet dials a registering plugin with this timeout (grpc.WithBlock) before it answers.
+DEFAULT_DIAL_TIMEOUT = 10.0
+
+
+def kubelet_socket_path(directory: str | os.PathLike) -> str:
+    """DIR/kubelet.sock: where the simulated kubelet serves Registration."""
+    return os.path.join(os.fspath(directory), KUBELET_SOCKET)
+
+
+def control_socket_path(directory: str | os.PathLike) -> str:
+    """DIR/sim-control/kubelet-control.sock: the control API (a subdirectory survives restarts)."""
+    return os.path.join(os.fspath(directory), CONTROL_SUBDIR, CONTROL_SOCKET)
+
+
+def default_podresources_socket(directory: str | os.PathLike) -> str:
+    """DIR/pod-resources/kubelet.sock: podresources v1 unless told otherwise."""
+    return os.path.join(os.fspath(directory), PODRESOURCES_SUBDIR, KUBELET_SOCKET)
+
+
+class SimKubeletError(SimError):
+    """The simulated kubelet refused a request; the message is its reason (kubelet's words)."""
+
+    grpc_code = "UNKNOWN"
+
+
+class PodRejected(SimKubeletError):
+    """A pod could not be admitted (not enough healthy devices, a plugin RPC failed, ...)."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class PodNotFound(SimKubeletError):
+    """No pod with that namespace and name."""
+
+    grpc_code = "NOT_FOUND"
+
+
+class PodExists(SimKubeletError):
+    """A pod with that namespace and name is already admitted."""
+
+    grpc_code = "ALREADY_EXISTS"
+
+
+class BadRequest(SimKubeletError):
+    """The request itself is malformed (empty pod name, negative count, duplicate container)."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class RegistrationRejected(SimKubeletError):
+    """A Register call was refused (kubelet answers these with gRPC status UNKNOWN)."""
+
+
+_LAZY = {
+    "SimKubelet": "agent.sim._kubelet_server",
+    "SimKubeletClient": "agent.sim._kubelet_client",
+    "KubeletState": "agent.sim._kubelet_client",
+    "ResourceState": "agent.sim._kubelet_client",
+    "DeviceState": "agent.sim._kubelet_client",
+    "PodState": "agent.sim._kubelet_client",
+    "ContainerState": "agent.sim._kubelet_client",
+    "Allocation": "agent.sim._kubelet_client",
+    "extended_resource_problem": "agent.sim._kubelet_manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load the grpc-based parts on first use (PEP 562), keeping `import agent.sim.kubelet` light."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
 
 
 def _cmd_kubelet(args: argparse.Namespace) -> int:
-    raise NotImplementedError("the simulated kubelet is not written yet")
+    import signal
+    import threading
+
+    from agent.sim._kubelet_server import SimKubelet
+
+    sim = SimKubelet(args.dir, podresources_socket=args.podresources_socket,
+                     dial_timeout=args.dial_timeout)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("simulated kubelet: %s received, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sim.start()
+    try:
+        print(f"simulated kubelet serving: registration {sim.kubelet_socket}, "
+              f"podresources {sim.podresources_socket}, control {sim.control_socket}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        sim.stop()
+    return 0
+
+
+def _client(args: argparse.Namespace):
+    from agent.sim._kubelet_client import SimKubeletClient
+
+    return SimKubeletClient(args.dir)
+
+
+def _cmd_state(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.state().describe())
+    return 0
+
+
+def _parse_request(text: str) -> tuple[str, str, int]:
+    """CONTAINER:RESOURCE=COUNT or RESOURCE=COUNT (container "main")."""
+    left, sep, count = text.rpartition("=")
+    container, _, resource = left.rpartition(":")
+    if not sep or not resource:
+        raise BadRequest(f"--request {text!r}: expected [CONTAINER:]RESOURCE=COUNT")
+    try:
+        return container or "main", resource, int(count)
+    except ValueError:
+        raise BadRequest(f"--request {text!r}: COUNT must be an integer") from None
+
+
+def _cmd_admit(args: argparse.Namespace) -> int:
+    containers: dict[str, dict[str, int]] = {}
+    for text in args.request or []:
+        container, resource, count = _parse_request(text)
+        containers.setdefault(container, {})[resource] = count
+    with _client(args) as client:
+        pod = client.admit_pod(args.name, containers or {"main": {}}, namespace=args.namespace)
+    print(pod.describe())
+    return 0
+
+
+def _cmd_delete_pod(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        pod = client.delete_pod(args.name, namespace=args.namespace)
+    print(f"deleted {pod.namespace}/{pod.name}")
+    return 0
+
+
+def _cmd_restart(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        removed = client.restart()
+    print(f"restarted; removed sockets: {', '.join(removed) or '(none)'}")
+    return 0
 
 
 def add_cli(simsub: argparse._SubParsersAction) -> None:
-    p = simsub.add_parser("kubelet", help="run a simulated kubelet in the foreground")
-    p.add_argument("--dir", required=True, help="device-plugin directory (kubelet.sock lives here)")
+    """Declare the simulated kubelet's commands under `gpu-agent sim`."""
+    def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--dir", required=True,
+                       help="device-plugin directory of the simulated kubelet (kubelet.sock lives here)")
+        return p
+
+    p = with_dir(simsub.add_parser(
+        "kubelet", help="run a simulated kubelet in the foreground until SIGTERM/SIGINT"))
     p.add_argument("--podresources-socket", default=None,
-                   help="podresources socket (default DIR/pod-resources/kubelet.sock)")
+                   help="podresources v1 socket (default DIR/pod-resources/kubelet.sock)")
+    p.add_argument("--dial-timeout", type=float, default=DEFAULT_DIAL_TIMEOUT,
+                   help="seconds Register waits to reach the plugin's socket (kubelet: 10)")
     p.set_defaults(func=_cmd_kubelet)
+
+    p = with_dir(simsub.add_parser("kubelet-state", help="show what the simulated kubelet knows"))
+    p.set_defaults(func=_cmd_state)
+
+    p = with_dir(simsub.add_parser("admit", help="admit a pod on the simulated kubelet"))
+    p.add_argument("--name", required=True, help="pod name")
+    p.add_argument("--namespace", default="default", help="pod namespace (default: default)")
+    p.add_argument("--request", action="append", metavar="[CONTAINER:]RESOURCE=COUNT",
+                   help="device request, repeatable (container defaults to main)")
+    p.set_defaults(func=_cmd_admit)
+
+    p = with_dir(simsub.add_parser("delete-pod", help="delete a pod and free its devices"))
+    p.add_argument("--name", required=True, help="pod name")
+    p.add_argument("--namespace", default="default", help="pod namespace (default: default)")
+    p.set_defaults(func=_cmd_delete_pod)
+
+    p = with_dir(simsub.add_parser(
+        "kubelet-restart", help="restart the simulated kubelet (deletes the sockets in DIR)"))
+    p.set_defaults(func=_cmd_restart)

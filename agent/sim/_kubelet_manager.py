@@ -1,0 +1,622 @@
+"""The simulated kubelet's device manager: registrations, ListAndWatch streams, allocation, events.
+
+Owns: what the simulated kubelet knows (per resource: endpoint, options, devices and health,
+snapshots; admitted pods and their devices) and the rules kubelet's device manager applies
+(pkg/kubelet/cm/devicemanager, 1.25+): synchronous dial-back on Register, one stream per resource
+that is never restarted, devices unhealthy when it ends, the allocation order of
+devicesToAllocate, one ContainerAllocateRequest per Allocate. Every change is an event.
+Must not listen on sockets or touch the filesystem: `_kubelet_server` does that.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+from google.protobuf import text_format
+
+from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, SUPPORTED_VERSIONS, UNHEALTHY
+from agent._proto.podresources.v1 import api_pb2 as pr
+from agent._proto.simkubelet.v1 import control_pb2 as ctl
+from agent.sim.kubelet import (
+    BadRequest,
+    PodExists,
+    PodNotFound,
+    PodRejected,
+    RegistrationRejected,
+)
+
+log = logging.getLogger(__name__)
+
+Kind = ctl.Event.Kind
+# kubelet bounds PreStartContainer with 30 s; Allocate and GetPreferredAllocation have no bound
+# there, but a simulated kubelet that hangs forever helps nobody.
+PLUGIN_RPC_TIMEOUT = 30.0
+SNAPSHOTS_KEPT = 256
+EVENTS_KEPT = 10000
+# kubelet files devices without NUMA affinity under this pseudo node.
+NODE_WITHOUT_TOPOLOGY = -1
+
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"^{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*$")
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_REQUESTS_PREFIX = "requests."
+
+
+def extended_resource_problem(name: str) -> str | None:
+    """Why `name` is not an extended resource name (kubelet's IsExtendedResourceName), or None."""
+    if "/" not in name:
+        return "it has no domain prefix (vendor.example/name); names without one are native resources"
+    if "kubernetes.io/" in name:
+        return "names in the kubernetes.io/ domain are native resources"
+    if name.startswith(_REQUESTS_PREFIX):
+        return "names starting with 'requests.' are reserved for resource quota"
+    prefix, _, short = (_REQUESTS_PREFIX + name).partition("/")
+    if "/" in short:
+        return "a qualified name has at most one '/'"
+    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix):
+        return ("the domain prefix must be a DNS-1123 subdomain: lower-case alphanumerics, '-' "
+                "and '.', starting and ending with an alphanumeric")
+    if not short:
+        return "the name after '/' is empty"
+    if len(short) > 63:
+        return "the name after '/' is longer than 63 characters"
+    if not _QUALIFIED_NAME.match(short):
+        return ("the name after '/' must be alphanumerics, '-', '_' or '.', starting and ending "
+                "with an alphanumeric")
+    return None
+
+
+def now() -> ctl.Time:
+    return ctl.Time(wall_ns=time.time_ns(), monotonic_ns=time.monotonic_ns())
+
+
+def _rpc_error_text(err: grpc.RpcError) -> str:
+    """Go's rendering of a gRPC error, as kubelet would put it into its messages."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    name = code.name if code is not None else "Unknown"
+    return f"rpc error: code = {name} desc = {details}"
+
+
+class EventLog:
+    """Numbered, timestamped events; readers wait for those after a sequence number."""
+
+    def __init__(self, keep: int = EVENTS_KEPT):
+        self._cond = threading.Condition()
+        self._events: collections.deque[ctl.Event] = collections.deque(maxlen=keep)
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._seq
+
+    def emit(self, kind: int, **fields) -> ctl.Event:
+        with self._cond:
+            self._seq += 1
+            event = ctl.Event(seq=self._seq, time=now(), kind=kind, **fields)
+            self._events.append(event)
+            self._cond.notify_all()
+        log.debug("event %s", text_format.MessageToString(event, as_one_line=True))
+        return event
+
+    def after(self, seq: int, timeout: float) -> list[ctl.Event]:
+        """Events with seq > `seq` still kept; waits up to `timeout` s for one if there are none."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._seq > seq or self._closed, timeout)
+            out = []
+            for event in reversed(self._events):
+                if event.seq <= seq:
+                    break
+                out.append(event)
+            return out[::-1]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclass
+class _Endpoint:
+    """One accepted registration: the channel to the plugin and its ListAndWatch stream."""
+
+    resource: str
+    name: str
+    path: str
+    registration: int
+    channel: grpc.Channel
+    stub: dp_grpc.DevicePluginStub
+    options: dp.DevicePluginOptions
+    call: object = None
+    thread: threading.Thread | None = None
+    closing_reason: str = ""
+
+    def close(self, reason: str) -> None:
+        """Cancel the stream (its thread then reports the end); the channel closes with it."""
+        self.closing_reason = self.closing_reason or reason
+        if self.call is not None:
+            self.call.cancel()
+        else:
+            self.channel.close()
+
+
+@dataclass
+class _Resource:
+    """kubelet's knowledge of one resource; outlives endpoints and restarts."""
+
+    name: str
+    endpoint: _Endpoint | None = None
+    endpoint_name: str = ""
+    options: dp.DevicePluginOptions | None = None
+    registrations: int = 0
+    # device id -> (health as kubelet sees it, NUMA nodes)
+    devices: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    snapshot_seq: int = 0
+    snapshots: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=SNAPSHOTS_KEPT))
+    registered: ctl.Time | None = None
+    last_snapshot: ctl.Time | None = None
+    stream_end_reason: str = ""
+
+    def healthy(self) -> set[str]:
+        return {d for d, (health, _) in self.devices.items() if health == HEALTHY}
+
+
+@dataclass
+class _PodRecord:
+    pod: ctl.Pod
+    # (container, resource) -> NUMA node -> device ids, as kubelet checkpoints them at allocation
+    by_numa: dict[tuple[str, str], dict[int, list[str]]] = field(default_factory=dict)
+
+    def device_ids(self, resource: str) -> list[str]:
+        return [d for c in self.pod.containers for r in c.resources if r.resource_name == resource
+                for d in r.device_ids]
+
+
+class DeviceManager:
+    """The device manager of one simulated kubelet. Thread-safe; plugin RPCs run unlocked."""
+
+    def __init__(self, directory: str, dial_timeout: float):
+        self.dir = directory
+        self.dial_timeout = dial_timeout
+        self.events = EventLog()
+        self.started = now()
+        self.restarts = 0
+        self.registration_failures = 0
+        self._lock = threading.RLock()
+        self._admit_lock = threading.Lock()  # kubelet admits one pod at a time
+        self._resources: dict[str, _Resource] = {}
+        self._pods: dict[tuple[str, str], _PodRecord] = {}
+        # Bumped when kubelet "goes away": a Register still dialling from before is refused.
+        self._generation = 0
+
+    # -- registration and streams --------------------------------------------------------------
+
+    def register(self, req: dp.RegisterRequest) -> None:
+        """kubelet's Register: raise RegistrationRejected with its reason, or return once the
+        plugin is dialled, its options read and its ListAndWatch stream opened."""
+        resource, endpoint = req.resource_name, req.endpoint
+        with self._lock:
+            generation = self._generation
+        log.info("registration request: resource %s, endpoint %s, version %s",
+                 resource, endpoint, req.version)
+        if req.version not in SUPPORTED_VERSIONS:
+            self._reject(req, f"requested API version {req.version!r} is not supported by kubelet. "
+                              f"Supported versions are {list(SUPPORTED_VERSIONS)}")
+        problem = extended_resource_problem(resource)
+        if problem:
+            self._reject(req, f"the ResourceName {resource!r} is invalid: {problem}")
+
+        path = f"{self.dir.rstrip('/')}/{endpoint}"
+        channel = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            self._reject(req, f"failed to dial device plugin: context deadline exceeded: nothing "
+                              f"accepted a connection on {path} within {self.dial_timeout:g} s "
+                              "(a plugin must serve before it registers)")
+        stub = dp_grpc.DevicePluginStub(channel)
+        try:
+            options = stub.GetDevicePluginOptions(dp.Empty(), timeout=self.dial_timeout)
+        except grpc.RpcError as err:
+            channel.close()
+            self._reject(req, f"failed to get device plugin options: {_rpc_error_text(err)}")
+
+        with self._lock:
+            if generation != self._generation:
+                channel.close()
+                self._reject(req, "kubelet restarted or stopped while this registration was "
+                                  "dialling the plugin; register again")
+            res = self._resources.setdefault(resource, _Resource(resource))
+            old = res.endpoint
+            res.registrations += 1
+            ep = _Endpoint(resource, endpoint, path, res.registrations, channel, stub, options)
+            res.endpoint, res.endpoint_name, res.options = ep, endpoint, options
+            res.registered, res.stream_end_reason = now(), ""
+            ep.call = stub.ListAndWatch(dp.Empty())
+            ep.thread = threading.Thread(target=self._watch, args=(ep,), daemon=True,
+                                         name=f"listandwatch-{resource}-{ep.registration}")
+            self.events.emit(Kind.REGISTERED, resource_name=resource, endpoint=endpoint,
+                             message=f"registration {ep.registration}; options: "
+                                     f"pre_start_required={options.pre_start_required} "
+                                     f"get_preferred_allocation_available="
+                                     f"{options.get_preferred_allocation_available}")
+            ep.thread.start()
+        log.info("registered resource %s at %s (registration %d)", resource, path, ep.registration)
+        if old is not None:
+            log.info("resource %s registered again: closing the previous stream", resource)
+            old.close("replaced by a new registration of the resource")
+
+    def _reject(self, req: dp.RegisterRequest, reason: str) -> None:
+        with self._lock:
+            self.registration_failures += 1
+        self.events.emit(Kind.REGISTRATION_FAILED, resource_name=req.resource_name,
+                         endpoint=req.endpoint, message=reason)
+        log.info("registration of %r refused: %s", req.resource_name, reason)
+        raise RegistrationRejected(reason)
+
+    def _watch(self, ep: _Endpoint) -> None:
+        reason = "the device plugin closed the ListAndWatch stream"
+        try:
+            for response in ep.call:
+                self._on_snapshot(ep, response)
+        except grpc.RpcError as err:
+            reason = f"ListAndWatch ended: {_rpc_error_text(err)}"
+        finally:
+            ep.channel.close()
+            self._on_stream_end(ep, ep.closing_reason or reason)
+
+    def _on_snapshot(self, ep: _Endpoint, response: dp.ListAndWatchResponse) -> None:
+        with self._lock:
+            res = self._resources.get(ep.resource)
+            if res is None or res.endpoint is not ep:
+                return  # a stream being closed; kubelet no longer listens to it
+            res.devices = {
+                d.ID: (HEALTHY if d.health == HEALTHY else UNHEALTHY,
+                       tuple(n.ID for n in d.topology.nodes))
+                for d in response.devices
+            }
+            res.snapshot_seq += 1
+            res.last_snapshot = now()
+            snapshot = ctl.Snapshot(
+                resource_name=ep.resource, seq=res.snapshot_seq, received=res.last_snapshot,
+                registration=ep.registration,
+                devices=[ctl.DeviceState(id=d.ID, health=d.health,
+                                         numa_nodes=[n.ID for n in d.topology.nodes])
+                         for d in response.devices],
+                capacity=len(res.devices), allocatable=len(res.healthy()),
+            )
+            res.snapshots.append(snapshot)
+            self.events.emit(Kind.SNAPSHOT, resource_name=ep.resource, endpoint=ep.name,
+                             snapshot=snapshot)
+        log.info("resource %s: snapshot %d, capacity %d, allocatable %d", ep.resource,
+                 snapshot.seq, snapshot.capacity, snapshot.allocatable)
+        log.debug("resource %s snapshot %d devices: %s", ep.resource, snapshot.seq,
+                  [(d.id, d.health, list(d.numa_nodes)) for d in snapshot.devices])
+
+    def _on_stream_end(self, ep: _Endpoint, reason: str) -> None:
+        with self._lock:
+            res = self._resources.get(ep.resource)
+            current = res is not None and res.endpoint is ep
+            if current:
+                res.endpoint = None
+                res.stream_end_reason = reason
+                res.devices = {d: (UNHEALTHY, numa) for d, (_, numa) in res.devices.items()}
+                reason += "; all its devices are now unhealthy until the plugin registers again"
+            self.events.emit(Kind.STREAM_ENDED, resource_name=ep.resource, endpoint=ep.name,
+                             message=reason)
+        log.info("resource %s: ListAndWatch stream of registration %d ended: %s",
+                 ep.resource, ep.registration, reason)
+
+    def drop_endpoints(self, reason: str, wait: float = 5.0) -> None:
+        """Close every stream (kubelet going away) and wait for their threads to report."""
+        with self._lock:
+            self._generation += 1
+            endpoints = [r.endpoint for r in self._resources.values() if r.endpoint is not None]
+            for res in self._resources.values():
+                if res.endpoint is not None:
+                    res.endpoint = None
+                    res.stream_end_reason = reason
+        for ep in endpoints:
+            ep.close(reason)
+        deadline = time.monotonic() + wait
+        for ep in endpoints:
+            if ep.thread is not None:
+                ep.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def restarted(self, removed_sockets: list[str]) -> int:
+        """State after a kubelet restart: devices forgotten until plugins register again (kubelet
+        reads only its checkpoint: pods and their devices survive), streams gone."""
+        with self._lock:
+            for res in self._resources.values():
+                res.endpoint, res.endpoint_name, res.options = None, "", None
+                res.devices = {}
+                res.stream_end_reason = res.stream_end_reason or "kubelet restarted"
+            self.restarts += 1
+            restarts = self.restarts
+        self.events.emit(Kind.RESTARTED, message=f"restart {restarts}; removed sockets: "
+                                                 f"{', '.join(removed_sockets) or '(none)'}")
+        log.info("simulated kubelet restarted (%d); removed sockets %s", restarts, removed_sockets)
+        return restarts
+
+    def close(self) -> None:
+        self.drop_endpoints("kubelet stopped")
+        self.events.close()
+
+    # -- pods ----------------------------------------------------------------------------------
+
+    def admit_pod(self, req: ctl.AdmitPodRequest) -> ctl.Pod:
+        """Admit a pod as kubelet does, or raise PodRejected with kubelet's reason."""
+        namespace = req.namespace or "default"
+        self._validate(req)
+        with self._admit_lock:
+            with self._lock:
+                if (namespace, req.name) in self._pods:
+                    raise PodExists(f"pod {namespace}/{req.name} is already admitted")
+            pod = ctl.Pod(name=req.name, namespace=namespace, uid=req.uid or str(uuid.uuid4()))
+            record = _PodRecord(pod)
+            try:
+                self._check_node_fits(req)
+                for creq in req.containers:
+                    container = pod.containers.add(name=creq.name)
+                    for resource in sorted(creq.requests):
+                        needed = creq.requests[resource]
+                        if needed == 0 or not self._is_device_plugin_resource(resource):
+                            continue
+                        alloc = self._allocate(record, creq.name, resource, needed)
+                        container.resources.append(alloc)
+            except PodRejected as err:
+                self.events.emit(Kind.POD_REJECTED, pod_namespace=namespace, pod_name=req.name,
+                                 message=str(err))
+                log.info("pod %s/%s rejected: %s", namespace, req.name, err)
+                raise
+            pod.admitted.CopyFrom(now())
+            with self._lock:
+                self._pods[(namespace, req.name)] = record
+            for container in pod.containers:
+                for alloc in container.resources:
+                    self.events.emit(Kind.ALLOCATED, pod_namespace=namespace, pod_name=req.name,
+                                     container_name=container.name,
+                                     resource_name=alloc.resource_name, device_ids=alloc.device_ids)
+                    log.info("pod %s/%s container %s: allocated %s %s", namespace, req.name,
+                             container.name, alloc.resource_name, list(alloc.device_ids))
+            return pod
+
+    @staticmethod
+    def _validate(req: ctl.AdmitPodRequest) -> None:
+        if not req.name:
+            raise BadRequest("a pod needs a name")
+        if not req.containers:
+            raise BadRequest(f"pod {req.name} has no containers")
+        names = [c.name for c in req.containers]
+        if "" in names or len(set(names)) != len(names):
+            raise BadRequest(f"pod {req.name}: container names must be non-empty and unique: {names}")
+        for c in req.containers:
+            for resource, count in c.requests.items():
+                if count < 0:
+                    raise BadRequest(f"pod {req.name} container {c.name}: {resource}={count} "
+                                     "is negative")
+
+    def _is_device_plugin_resource(self, resource: str) -> bool:
+        with self._lock:
+            return resource in self._resources or any(
+                r.device_ids(resource) for r in self._pods.values())
+
+    def _check_node_fits(self, req: ctl.AdmitPodRequest) -> None:
+        """kubelet's predicate admission for extended resources no plugin ever registered."""
+        totals: dict[str, int] = collections.Counter()
+        for c in req.containers:
+            for resource, count in c.requests.items():
+                if count and extended_resource_problem(resource) is None:
+                    totals[resource] += count
+        for resource, requested in sorted(totals.items()):
+            if not self._is_device_plugin_resource(resource):
+                raise PodRejected(
+                    f"pod {req.namespace or 'default'}/{req.name} rejected (OutOf{resource}): "
+                    f"Node didn't have enough resource: {resource}, requested: {requested}, "
+                    "used: 0, capacity: 0")
+
+    def _allocate(self, record: _PodRecord, container: str, resource: str,
+                  needed: int) -> ctl.ResourceAllocation:
+        """devicesToAllocate + Allocate (+ PreStartContainer) for one container and resource."""
+        pod = record.pod
+
+        def reject(reason: str) -> PodRejected:
+            return PodRejected(f"pod {pod.namespace}/{pod.name} rejected (UnexpectedAdmissionError)"
+                               f": Allocate failed due to {reason}, which is unexpected")
+
+        with self._lock:
+            res = self._resources[resource]
+            healthy = res.healthy()
+            if res.registrations == 0:
+                raise reject(f"cannot allocate unregistered device {resource}")
+            if not healthy:
+                raise reject(f"no healthy devices present; cannot allocate unhealthy devices "
+                             f"{resource}")
+            in_use = {d for r in self._pods.values() for d in r.device_ids(resource)}
+            in_use.update(record.device_ids(resource))  # earlier containers of this pod
+            available = sorted(healthy - in_use)
+            if len(available) < needed:
+                raise reject(f"requested number of devices unavailable for {resource}. "
+                             f"Requested: {needed}, Available: {len(available)}")
+            ep = res.endpoint
+            if ep is None:
+                raise reject(f"endpoint not found in cache for a registered resource: {resource}")
+            numa = {d: res.devices[d][1] for d in available}
+
+        alloc = ctl.ResourceAllocation(resource_name=resource)
+        chosen: list[str] = []
+
+        def take(candidates) -> None:
+            for d in candidates:
+                if len(chosen) == needed:
+                    return
+                if d in numa and d not in chosen:
+                    chosen.append(d)
+
+        # No topology-manager hint in the simulation, so every available device is "no affinity"
+        # and kubelet asks the plugin whenever the plugin offers GetPreferredAllocation.
+        if ep.options.get_preferred_allocation_available:
+            request = dp.PreferredAllocationRequest(container_requests=[
+                dp.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, must_include_deviceIDs=[],
+                    allocation_size=needed)])
+            try:
+                response = ep.stub.GetPreferredAllocation(request, timeout=PLUGIN_RPC_TIMEOUT)
+            except grpc.RpcError as err:
+                raise reject(f"device plugin GetPreferredAllocation rpc failed with err: "
+                             f"{_rpc_error_text(err)}") from None
+            alloc.preferred_called = True
+            if response.container_responses:
+                alloc.preferred_device_ids.extend(response.container_responses[0].deviceIDs)
+            take(alloc.preferred_device_ids)
+        take(available)
+        alloc.device_ids.extend(chosen)
+
+        request = dp.AllocateRequest(container_requests=[
+            dp.ContainerAllocateRequest(devices_ids=chosen)])
+        try:
+            response = ep.stub.Allocate(request, timeout=PLUGIN_RPC_TIMEOUT)
+        except grpc.RpcError as err:
+            raise reject(f"device plugin Allocate rpc failed with err: {_rpc_error_text(err)}") \
+                from None
+        if not response.container_responses:
+            raise reject(f"no containers return in allocation response {response}")
+        alloc.allocate_response.CopyFrom(response)
+
+        if ep.options.pre_start_required:
+            try:
+                ep.stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=chosen),
+                                          timeout=PLUGIN_RPC_TIMEOUT)
+            except grpc.RpcError as err:
+                raise reject(f"device plugin PreStartContainer rpc failed with err: "
+                             f"{_rpc_error_text(err)}") from None
+            alloc.pre_start_called = True
+
+        by_numa: dict[int, list[str]] = {}
+        for d in chosen:
+            for node in numa[d] or (NODE_WITHOUT_TOPOLOGY,):
+                by_numa.setdefault(node, []).append(d)
+        record.by_numa[(container, resource)] = by_numa
+        return alloc
+
+    def delete_pod(self, name: str, namespace: str = "") -> ctl.Pod:
+        namespace = namespace or "default"
+        with self._lock:
+            record = self._pods.pop((namespace, name), None)
+        if record is None:
+            raise PodNotFound(f"pod {name} in namespace {namespace} not found")
+        freed = [d for c in record.pod.containers for r in c.resources for d in r.device_ids]
+        self.events.emit(Kind.POD_DELETED, pod_namespace=namespace, pod_name=name,
+                         device_ids=freed, message=f"freed {len(freed)} devices")
+        log.info("pod %s/%s deleted; freed %s", namespace, name, freed)
+        return record.pod
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def state(self) -> ctl.State:
+        with self._lock:
+            state = ctl.State(restarts=self.restarts, started=self.started,
+                              last_event_seq=self.events.last_seq,
+                              registration_failures=self.registration_failures)
+            for name in sorted(self._resources):
+                res = self._resources[name]
+                allocated = {d for r in self._pods.values() for d in r.device_ids(name)}
+                rs = state.resources.add(
+                    resource_name=name, endpoint=res.endpoint_name,
+                    registrations=res.registrations, connected=res.endpoint is not None,
+                    capacity=len(res.devices), allocatable=len(res.healthy()),
+                    snapshot_seq=res.snapshot_seq, stream_end_reason=res.stream_end_reason,
+                    allocated=len(allocated),
+                )
+                if res.options is not None:
+                    rs.options.CopyFrom(res.options)
+                if res.registered is not None:
+                    rs.registered.CopyFrom(res.registered)
+                if res.last_snapshot is not None:
+                    rs.last_snapshot.CopyFrom(res.last_snapshot)
+                for dev_id in sorted(res.devices):
+                    health, numa = res.devices[dev_id]
+                    rs.devices.add(id=dev_id, health=health, numa_nodes=numa,
+                                   allocated=dev_id in allocated)
+            for key in sorted(self._pods):
+                state.pods.append(self._pods[key].pod)
+        return state
+
+    def snapshots(self, resource: str, after_seq: int = 0) -> list[ctl.Snapshot]:
+        with self._lock:
+            res = self._resources.get(resource)
+            return [s for s in (res.snapshots if res else []) if s.seq > after_seq]
+
+    def _container_devices(self, record: _PodRecord, container: str) -> list[pr.ContainerDevices]:
+        out = []
+        for (cname, resource), by_numa in sorted(record.by_numa.items()):
+            if cname != container:
+                continue
+            for node in sorted(by_numa):
+                cd = pr.ContainerDevices(resource_name=resource, device_ids=by_numa[node])
+                if node != NODE_WITHOUT_TOPOLOGY:
+                    cd.topology.nodes.add(ID=node)
+                out.append(cd)
+        return out
+
+    def _pod_resources(self, record: _PodRecord) -> pr.PodResources:
+        pod = record.pod
+        return pr.PodResources(name=pod.name, namespace=pod.namespace, containers=[
+            pr.ContainerResources(name=c.name, devices=self._container_devices(record, c.name))
+            for c in pod.containers
+        ])
+
+    def list_pod_resources(self) -> pr.ListPodResourcesResponse:
+        with self._lock:
+            return pr.ListPodResourcesResponse(
+                pod_resources=[self._pod_resources(self._pods[k]) for k in sorted(self._pods)])
+
+    def get_pod_resources(self, name: str, namespace: str) -> pr.GetPodResourcesResponse:
+        with self._lock:
+            record = self._pods.get((namespace, name))
+            if record is None:
+                raise PodNotFound(f"pod {name} in namespace {namespace} not found")
+            return pr.GetPodResourcesResponse(pod_resources=self._pod_resources(record))
+
+    def allocatable_resources(self) -> pr.AllocatableResourcesResponse:
+        """Healthy devices, one entry per device and NUMA node (kubelet's GetAllocatableResources)."""
+        out = pr.AllocatableResourcesResponse()
+        with self._lock:
+            for name in sorted(self._resources):
+                res = self._resources[name]
+                for dev_id in sorted(res.healthy()):
+                    numa = res.devices[dev_id][1]
+                    if not numa:
+                        out.devices.add(resource_name=name, device_ids=[dev_id])
+                    for node in numa:
+                        cd = out.devices.add(resource_name=name, device_ids=[dev_id])
+                        cd.topology.nodes.add(ID=node)
+        return out
+
+
+def watch_events(events: EventLog, after_seq: int, active: Callable[[], bool],
+                 poll: float = 0.25):
+    """Yield events after `after_seq` as they come, while `active()` and the log is open."""
+    seq = after_seq
+    while active() and not events.closed:
+        for event in events.after(seq, poll):
+            seq = event.seq
+            yield event
