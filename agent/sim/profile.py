@@ -80,11 +80,6 @@ GB = 1024**3
 A100_80GB_MIG_PROFILES = [
     dict(nvml_profile=0, id=19, name="1g.10gb", slices=1, instance_count=7, multiprocessors=14,
          memory_mb=9728, copy_engines=1, decoders=0, encoders=0, jpegs=0, ofas=0, p2p=0),
-    dict(nvml_profile=7, id=20, name="1g.10gb+me", slices=1, instance_count=1,
-         multiprocessors=14, memory_mb=9728, copy_engines=1, decoders=1, encoders=0, jpegs=1,
-         ofas=1, p2p=0),
-    dict(nvml_profile=9, id=15, name="1g.20gb", slices=1, instance_count=4, multiprocessors=14,
-         memory_mb=19968, copy_engines=1, decoders=1, encoders=0, jpegs=0, ofas=0, p2p=0),
     dict(nvml_profile=1, id=14, name="2g.20gb", slices=2, instance_count=3, multiprocessors=28,
          memory_mb=19968, copy_engines=2, decoders=1, encoders=0, jpegs=0, ofas=0, p2p=0),
     dict(nvml_profile=2, id=9, name="3g.40gb", slices=3, instance_count=2, multiprocessors=42,
@@ -93,6 +88,11 @@ A100_80GB_MIG_PROFILES = [
          memory_mb=40192, copy_engines=4, decoders=2, encoders=0, jpegs=0, ofas=0, p2p=0),
     dict(nvml_profile=4, id=0, name="7g.80gb", slices=7, instance_count=1, multiprocessors=98,
          memory_mb=80896, copy_engines=7, decoders=5, encoders=0, jpegs=1, ofas=1, p2p=0),
+    dict(nvml_profile=7, id=20, name="1g.10gb+me", slices=1, instance_count=1,
+         multiprocessors=14, memory_mb=9728, copy_engines=1, decoders=1, encoders=0, jpegs=1,
+         ofas=1, p2p=0),
+    dict(nvml_profile=9, id=15, name="1g.20gb", slices=1, instance_count=4, multiprocessors=14,
+         memory_mb=19968, copy_engines=1, decoders=1, encoders=0, jpegs=0, ofas=0, p2p=0),
 ]
 
 # GPU models `--gpu-model` knows (matched case-insensitively). Unknown names get GENERIC's
@@ -162,11 +162,70 @@ def load_profile(spec: str | os.PathLike | None = None) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise SimError(f"{path}: cannot read: {exc.strerror}") from exc
+    return parse_profile_text(text, str(path))
+
+
+def parse_profile_text(text: str, source: str = "<profile>") -> dict[str, Any]:
+    """Parse and validate profile text: PyYAML, limited to the subset the C parser reads."""
     try:
+        check_yaml_subset(text, source)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SimError(f"{path}: not valid YAML: {exc}") from exc
-    return validate_profile(data, str(path))
+        raise SimError(f"{source}: not valid YAML: {exc}") from exc
+    return validate_profile(data, source)
+
+
+def _check_duplicate_keys(node: Any, source: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else str(key)
+            if name in seen:
+                raise SimError(f"{source}:{key.start_mark.line + 1}: duplicate key '{name}'")
+            seen.add(name)
+            _check_duplicate_keys(value, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_duplicate_keys(item, source)
+
+
+def check_yaml_subset(text: str, source: str = "<profile>") -> None:
+    """Reject YAML the simulated library's parser does not read (docs/simulator.md).
+
+    Walks PyYAML's event stream: flow mappings, block scalars, anchors, aliases, explicit
+    tags, multi-line scalars, multiple documents and duplicate keys (which PyYAML would
+    silently resolve) are SimErrors naming the line.
+    """
+    documents = 0
+    flow_lines: list[int | None] = []
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = ev.start_mark.line + 1 if ev.start_mark else 0
+        where = f"{source}:{line}"
+        if isinstance(ev, yaml.DocumentStartEvent):
+            documents += 1
+            if documents > 1:
+                raise SimError(f"{where}: multiple documents are not supported")
+        elif isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None):
+            raise SimError(f"{where}: anchors, aliases and tags are not supported")
+        elif isinstance(ev, yaml.MappingStartEvent) and ev.flow_style:
+            raise SimError(f"{where}: flow mappings {{...}} are not supported")
+        elif isinstance(ev, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            implicit = ev.implicit if isinstance(ev, yaml.CollectionStartEvent) else any(
+                ev.implicit)
+            if ev.tag is not None and not implicit:
+                raise SimError(f"{where}: anchors, aliases and tags are not supported")
+            if isinstance(ev, yaml.ScalarEvent):
+                if ev.style in ("|", ">"):
+                    raise SimError(f"{where}: block scalars (| and >) are not supported")
+                if ev.end_mark and ev.end_mark.line != ev.start_mark.line:
+                    raise SimError(f"{where}: multi-line values are not supported")
+            elif isinstance(ev, yaml.SequenceStartEvent):
+                flow_lines.append(line if ev.flow_style else None)
+        elif isinstance(ev, yaml.SequenceEndEvent):
+            start = flow_lines.pop()
+            if start is not None and start != line:
+                raise SimError(f"{source}:{start}: a flow sequence [...] must fit on one line")
+    _check_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), source)
 
 
 class _V:
@@ -567,9 +626,12 @@ def parse_faults_env(text: str, ngpus: int) -> dict[str, Any]:
 
 def nvml_view(profile: dict[str, Any]) -> dict[str, Any]:
     """The part of a (normalized) profile NVML can read back: no name/description/source/faults."""
-    view = {k: v for k, v in profile.items()
-            if k not in ("name", "description", "source", "faults")}
-    return json.loads(json.dumps(view))
+    view = json.loads(json.dumps({k: v for k, v in profile.items()
+                                  if k not in ("name", "description", "source", "faults")}))
+    for gpu in view["gpus"]:
+        if "mig" in gpu:  # NVML answers profiles by number: their order is not observable
+            gpu["mig"]["profiles"].sort(key=lambda p: p["nvml_profile"])
+    return view
 
 
 # ---------------------------------------------------------------------------------------
@@ -688,7 +750,14 @@ class TopoMatrix:
 
 
 def parse_topo(text: str, where: str = "<topo>") -> TopoMatrix:
-    """Parse `nvidia-smi topo -m` output (tabs or spaces, empty cells, NIC columns ignored)."""
+    """Parse `nvidia-smi topo -m` output (tabs or spaces, empty cells, NIC columns ignored).
+
+    Columns are matched by order, not by screen position (nvidia-smi pads with tabs, and
+    copies from terminals shift them): a row's first values are its GPU cells, then one
+    value per NIC column, then the trailing columns (CPU Affinity, NUMA Affinity, GPU NUMA
+    ID). A row with fewer trailing values than trailing columns is missing the leftmost ones
+    (CPU Affinity is the one published blank; NUMA columns say N/A rather than nothing).
+    """
     source = system = ""
     lines: list[str] = []
     for raw in text.splitlines():
@@ -697,58 +766,60 @@ def parse_topo(text: str, where: str = "<topo>") -> TopoMatrix:
         elif raw.startswith("# system:"):
             system = raw[len("# system:"):].strip()
         elif not raw.lstrip().startswith("#"):
-            lines.append(raw.expandtabs(8).rstrip())
+            lines.append(raw.rstrip())
     header_at = next((k for k, line in enumerate(lines) if re.search(r"\bGPU0\b", line)), None)
     if header_at is None:
         raise SimError(f"{where}: no header line with GPU0 (is this `nvidia-smi topo -m` output?)")
     header = lines[header_at]
-    if header.startswith("GPU0"):
-        header = " " * 8 + header  # published without the row-label column's blanks
-    columns = [(m.group(0), m.start()) for m in re.finditer(r"\S+(?: \S+)*", header)]
-    gpu_cols = [k for k, (name, _) in enumerate(columns) if re.fullmatch(r"GPU\d+", name)]
-    n = len(gpu_cols)
-    if [columns[k][0] for k in gpu_cols] != [f"GPU{i}" for i in range(n)]:
-        raise SimError(f"{where}: header GPU columns are not GPU0..GPU{n - 1}")
-    rows: dict[int, dict[int, str]] = {}
+    splitter = r"\t" if "\t" in header else r"\s{2,}"
+    names = [c.strip() for c in re.split(splitter, header.strip()) if c.strip()]
+    gpu_names = [c for c in names if re.fullmatch(r"GPU\d+", c)]
+    n = len(gpu_names)
+    if names[:n] != [f"GPU{i}" for i in range(n)]:
+        raise SimError(f"{where}: header does not start with the columns GPU0..GPU{n - 1}")
+    trailing_names = [c for c in names[n:] if c in _TRAILING]
+    nics = len(names) - n - len(trailing_names)
+    if names[n + nics:] != trailing_names:
+        raise SimError(f"{where}: header columns after {', '.join(_TRAILING)} are not understood")
+    matrix: list[list[str]] = []
+    cpu: list[str] = []
+    numa: list[str] = []
+    seen: list[int] = []
     for line in lines[header_at + 1:]:
-        if not line.strip():
-            if rows:
+        tokens = line.split()
+        if not tokens:
+            if seen:
                 break
             continue
-        m = re.match(r"^GPU(\d+)\s", line + " ")
+        m = re.fullmatch(r"GPU(\d+)", tokens[0])
         if not m:
-            if rows and line.lstrip().startswith(("Legend", "NIC Legend")):
+            if seen and tokens[0] in ("Legend:", "Legend", "NIC"):
                 break
             continue  # NIC rows and other lines
         idx = int(m.group(1))
-        cells: dict[int, str] = {}
-        for tok in re.finditer(r"\S+", line[m.end() - 1:]):
-            start = tok.start() + m.end() - 1
-            col = max((k for k, (_, s) in enumerate(columns) if s <= start + 1), default=None)
-            if col is None:
-                raise SimError(f"{where}: GPU{idx} row: {tok.group(0)!r} is left of every column")
-            if col in cells:
-                if col + 1 < len(columns) and col + 1 not in cells:
-                    col += 1  # a value written one blank after the previous one
-                else:
-                    raise SimError(f"{where}: GPU{idx} row: two values under "
-                                   f"{columns[col][0]!r}")
-            cells[col] = tok.group(0)
-        rows[idx] = cells
-    if sorted(rows) != list(range(n)):
-        raise SimError(f"{where}: expected rows GPU0..GPU{n - 1}, found "
-                       f"{', '.join(f'GPU{i}' for i in sorted(rows))}")
-    names = [name for name, _ in columns]
-    matrix: list[list[str]] = []
-    for i in range(n):
-        row = []
-        for j, col in enumerate(gpu_cols):
-            cell = rows[i].get(col, "")
+        if idx != len(seen):
+            raise SimError(f"{where}: row GPU{idx} where GPU{len(seen)} was expected")
+        seen.append(idx)
+        values = tokens[1:]
+        if len(values) < n + nics:
+            raise SimError(f"{where}: GPU{idx} row has {len(values)} values; expected at least "
+                           f"{n} GPU cells and {nics} NIC cells")
+        cells = values[:n]
+        extra = values[n + nics:]
+        if len(extra) > len(trailing_names):
+            raise SimError(f"{where}: GPU{idx} row has {len(extra)} values after the link cells "
+                           f"but the header has {len(trailing_names)} columns for them")
+        extra = [""] * (len(trailing_names) - len(extra)) + extra
+        trailing = dict(zip(trailing_names, extra))
+        for j, cell in enumerate(cells):
             if not _CELL_RE.match(cell):
-                raise SimError(f"{where}: GPU{i} row, GPU{j} column: {cell!r} is not a link code "
-                               f"(X, NV#, PIX, PXB, PHB, NODE, SYS)")
-            row.append("SYS" if cell == "SOC" else cell)
-        matrix.append(row)
+                raise SimError(f"{where}: GPU{idx} row, GPU{j} column: {cell!r} is not a link "
+                               f"code (X, NV#, PIX, PXB, PHB, NODE, SYS)")
+        matrix.append(["SYS" if c == "SOC" else c for c in cells])
+        cpu.append(trailing.get("CPU Affinity", ""))
+        numa.append(trailing.get("NUMA Affinity", ""))
+    if len(seen) != n:
+        raise SimError(f"{where}: expected rows GPU0..GPU{n - 1}, found {len(seen)}")
     for i in range(n):
         for j in range(n):
             if (matrix[i][j] == "X") != (i == j):
@@ -756,14 +827,7 @@ def parse_topo(text: str, where: str = "<topo>") -> TopoMatrix:
             if matrix[i][j] != matrix[j][i]:
                 raise SimError(f"{where}: GPU{i}/GPU{j} is {matrix[i][j]} but GPU{j}/GPU{i} is "
                                f"{matrix[j][i]}")
-
-    def trailing(name: str) -> list[str]:
-        if name not in names:
-            return [""] * n
-        col = names.index(name)
-        return [rows[i].get(col, "") for i in range(n)]
-
-    return TopoMatrix(matrix, trailing("CPU Affinity"), trailing("NUMA Affinity"), source, system)
+    return TopoMatrix(matrix, cpu, numa, source, system)
 
 
 def _nv(cell: str) -> int:
