@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.sim.cli import add_sim_commands
 
     add_sim_commands(sub)
+
+    from agent.config import add_cli as add_config_cli
+
+    add_config_cli(sub)
     return parser
 
 

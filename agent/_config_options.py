@@ -1,0 +1,119 @@
+"""The table of gpu-agent's options: for each one its command-line flag, environment variable,
+config-file key, value kind and default.
+
+Owns: the names and defaults, following NVIDIA's k8s-device-plugin wherever it has the option
+(flags, env vars, `flags.*` keys) and our own `agent.*` keys otherwise. Must not parse or layer
+anything (agent.config does), and must not import anything of `agent` but the _config_ modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agent._config_values import (
+    NVML_SONAME,
+    BoolKind,
+    ChoiceKind,
+    ChoiceListKind,
+    ConfigFileKind,
+    Kind,
+    NvmlLibraryKind,
+    PathKind,
+    TextKind,
+)
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: `name` is the Config field and the argparse dest."""
+
+    name: str
+    flag: str
+    env: str
+    key: str | None  # the config-file key path; None for the config file itself
+    kind: Kind
+    default: Any
+    help: str
+    aliases: tuple[str, ...] = ()
+    default_text: str = ""  # the default as the docs say it, where repr would mislead
+
+    def describe_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        return self.kind.to_text(self.default)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "config_file", "--config", "CONFIG_FILE", None, ConfigFileKind(), "",
+        "the config file (version: v1, NVIDIA's schema plus an agent: section)",
+        aliases=("--config-file",), default_text="none",
+    ),
+    Option(
+        "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",
+        ChoiceKind(*MIG_STRATEGIES), "none",
+        "how MIG devices on MIG-enabled GPUs are exposed",
+    ),
+    Option(
+        "fail_on_init_error", "--fail-on-init-error", "FAIL_ON_INIT_ERROR",
+        "flags.failOnInitError", BoolKind(), True,
+        "exit if initialisation fails (false: log it and wait instead)",
+    ),
+    Option(
+        "driver_root", "--driver-root", "NVIDIA_DRIVER_ROOT", "flags.nvidiaDriverRoot",
+        PathKind(), "/",
+        "root of the NVIDIA driver installation on the host",
+        aliases=("--nvidia-driver-root",),
+    ),
+    Option(
+        "dev_root", "--dev-root", "NVIDIA_DEV_ROOT", "flags.nvidiaDevRoot",
+        PathKind(empty="the driver root"), "",
+        "root under which the NVIDIA device nodes (/dev/nvidia*) are; empty: the driver root",
+        aliases=("--nvidia-dev-root",), default_text="the driver root",
+    ),
+    Option(
+        "pass_device_specs", "--pass-device-specs", "PASS_DEVICE_SPECS",
+        "flags.plugin.passDeviceSpecs", BoolKind(), False,
+        "pass the device nodes (DeviceSpecs) to kubelet in Allocate responses",
+    ),
+    Option(
+        "device_list_strategy", "--device-list-strategy", "DEVICE_LIST_STRATEGY",
+        "flags.plugin.deviceListStrategy", ChoiceListKind(*DEVICE_LIST_STRATEGIES), ("envvar",),
+        "how the allocated devices are passed to the container runtime (several allowed)",
+    ),
+    Option(
+        "device_id_strategy", "--device-id-strategy", "DEVICE_ID_STRATEGY",
+        "flags.plugin.deviceIDStrategy", ChoiceKind(*DEVICE_ID_STRATEGIES), "uuid",
+        "how devices are named to the container runtime",
+    ),
+    Option(
+        "cdi_annotation_prefix", "--cdi-annotation-prefix", "CDI_ANNOTATION_PREFIX",
+        "flags.plugin.cdiAnnotationPrefix", TextKind(), "cdi.k8s.io/",
+        "prefix of the CDI annotation keys (device-list strategy cdi-annotations)",
+    ),
+    Option(
+        "kubelet_socket", "--kubelet-socket", "KUBELET_SOCKET", "flags.plugin.kubeletSocket",
+        PathKind(empty="do not connect to kubelet"), DEFAULT_KUBELET_SOCKET,
+        "kubelet's registration socket; the plugin sockets go in its directory",
+    ),
+    Option(
+        "state_dir", "--state-dir", "GPU_AGENT_STATE_DIR", "agent.stateDir",
+        PathKind(), "/var/lib/gpu-agent",
+        "where the agent keeps its checkpoints",
+    ),
+    Option(
+        "nvml_library", "--nvml-library", "GPU_AGENT_NVML_LIBRARY", "agent.nvmlLibrary",
+        NvmlLibraryKind(), NVML_SONAME,
+        f"the NVML library: {NVML_SONAME} (looked up under the driver root) or an absolute path",
+        default_text=f"{NVML_SONAME} under the driver root",
+    ),
+)
+
+OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
+OPTIONS_BY_KEY = {opt.key: opt for opt in OPTIONS if opt.key}

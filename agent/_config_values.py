@@ -1,0 +1,290 @@
+"""Value kinds of gpu-agent's configuration: how one value is read from text (a command-line
+flag or an environment variable) and from YAML/JSON data (the config file), and checked.
+
+Owns: parsing and checking single values (booleans with urfave/cli's spellings, choices, lists
+of choices, absolute paths, Go durations) and the wording of their problems. Must not know
+about layers, sources, keys or files, and must not import anything of `agent`: callers turn
+`Invalid` into a ConfigError that names the key and where the value came from.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# strconv.ParseBool, which urfave/cli (NVIDIA's flag library) uses for flags and env vars.
+TRUE_TEXT = ("1", "t", "T", "true", "TRUE", "True")
+FALSE_TEXT = ("0", "f", "F", "false", "FALSE", "False")
+
+NVML_SONAME = "libnvidia-ml.so.1"
+
+
+class Invalid(ValueError):
+    """One value is wrong. `subkey` (e.g. "[2]") is appended to the caller's key."""
+
+    def __init__(self, problem: str, subkey: str = ""):
+        super().__init__(problem)
+        self.problem = problem
+        self.subkey = subkey
+
+
+def describe(value: Any) -> str:
+    """The type and value of `value`, as a config author would call them."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {'true' if value else 'false'}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"{type(value).__name__} {value!r}"
+
+
+def expect_str(value: Any, what: str = "a string") -> str:
+    if not isinstance(value, str):
+        raise Invalid(f"expected {what}, got {describe(value)}")
+    if any("\ud800" <= ch <= "\udfff" for ch in value):  # undecodable bytes in the environment
+        raise Invalid(f"{value!r} is not valid UTF-8 text")
+    return value
+
+
+def expect_int(value: Any, what: str = "an integer") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(f"expected {what}, got {describe(value)}")
+    return value
+
+
+class Kind:
+    """How one setting is read (from text and from data), checked and written back."""
+
+    metavar = "VALUE"
+    text_form = "text"  # how the value is written in a flag or an env var, for docs and help
+
+    def from_text(self, text: Any) -> Any:
+        """Parse the value of a flag or an environment variable (a str, or a list of them)."""
+        return self.check(expect_str(text))
+
+    def from_data(self, value: Any) -> Any:
+        """Parse a value of the config file (already decoded from YAML/JSON)."""
+        return self.check(expect_str(value))
+
+    def check(self, value: Any) -> Any:
+        return value
+
+    def to_data(self, value: Any) -> Any:
+        """The file form of a parsed value: from_data(to_data(v)) == v."""
+        return value
+
+    def to_text(self, value: Any) -> str:
+        """The flag / env form of a parsed value: from_text(to_text(v)) == v."""
+        return str(value)
+
+
+class BoolKind(Kind):
+    metavar = "BOOL"
+    text_form = "true|false"
+
+    def from_text(self, text: Any) -> bool:
+        if isinstance(text, bool):
+            return text
+        text = expect_str(text)
+        if text in TRUE_TEXT:
+            return True
+        if text in FALSE_TEXT:
+            return False
+        raise Invalid(
+            f"{text!r} is not a boolean; use true or false "
+            f"(also accepted: {', '.join(TRUE_TEXT[:3] + FALSE_TEXT[:3])}, TRUE, FALSE, True, False)"
+        )
+
+    def from_data(self, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise Invalid(f"expected a boolean (true or false), got {describe(value)}")
+        return value
+
+    def to_text(self, value: Any) -> str:
+        return "true" if value else "false"
+
+
+class ChoiceKind(Kind):
+    def __init__(self, *choices: str):
+        self.choices = choices
+        self.metavar = "{" + ",".join(choices) + "}"
+        self.text_form = "|".join(choices)
+
+    def from_data(self, value: Any) -> str:
+        return self.check(expect_str(value, f"one of {', '.join(self.choices)}"))
+
+    def check(self, value: str) -> str:
+        if value not in self.choices:
+            raise Invalid(f"{value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+class ChoiceListKind(Kind):
+    """One or more distinct choices: comma-separated as text, a string or a list in the file."""
+
+    def __init__(self, *choices: str):
+        self.choices = choices
+        self.metavar = "STRATEGY,..."
+        self.text_form = "comma-separated list"
+
+    def _check_item(self, item: str, subkey: str = "") -> str:
+        if item not in self.choices:
+            raise Invalid(f"{item!r} is not one of {', '.join(self.choices)}", subkey)
+        return item
+
+    def _check_list(self, items: list[str], subkeys: list[str]) -> tuple[str, ...]:
+        if not items:
+            raise Invalid(f"empty list; give at least one of {', '.join(self.choices)}")
+        seen: set[str] = set()
+        for item, subkey in zip(items, subkeys):
+            self._check_item(item, subkey)
+            if item in seen:
+                raise Invalid(f"{item!r} is listed twice", subkey)
+            seen.add(item)
+        return tuple(items)
+
+    def from_text(self, text: Any) -> tuple[str, ...]:
+        # A list comes from a repeated flag (argparse "append"); each entry may hold commas.
+        parts = text if isinstance(text, (list, tuple)) else [text]
+        items: list[str] = []
+        for part in parts:
+            for item in expect_str(part).split(","):
+                item = item.strip()
+                if not item:
+                    raise Invalid(f"{','.join(parts)!r} has an empty item; "
+                                  f"separate the values with single commas")
+                items.append(item)
+        return self._check_list(items, [""] * len(items))
+
+    def from_data(self, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            if "," in value:
+                raise Invalid(f"{value!r} is not one of {', '.join(self.choices)}; in the file, "
+                              f"give several as a YAML list, e.g. [{value.replace(',', ', ')}]")
+            return self._check_list([value], [""])
+        if not isinstance(value, list):
+            raise Invalid(f"expected a string or a list of strings, got {describe(value)}")
+        items = []
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise Invalid(f"expected one of {', '.join(self.choices)}, got {describe(item)}",
+                              f"[{i}]")
+            items.append(item)
+        return self._check_list(items, [f"[{i}]" for i in range(len(items))])
+
+    def to_data(self, value: Any) -> list[str]:
+        return list(value)
+
+    def to_text(self, value: Any) -> str:
+        return ",".join(value)
+
+
+class PathKind(Kind):
+    """An absolute path; `empty` (if set) is what an empty string means, else it is refused."""
+
+    metavar = "PATH"
+    text_form = "absolute path"
+
+    def __init__(self, empty: str | None = None):
+        self.empty = empty
+
+    def check(self, value: str) -> str:
+        if value == "":
+            if self.empty is None:
+                raise Invalid("must not be empty")
+            return value
+        if "\0" in value:
+            raise Invalid(f"{value!r} contains a NUL byte")
+        if not value.startswith("/"):
+            raise Invalid(f"{value!r} is not an absolute path")
+        return value
+
+
+class NvmlLibraryKind(PathKind):
+    """libnvidia-ml.so.1 (found under the driver root) or an absolute path to the library."""
+
+    metavar = "PATH"
+    text_form = f"{NVML_SONAME} or absolute path"
+
+    def check(self, value: str) -> str:
+        if value == NVML_SONAME:
+            return value
+        if value and "/" not in value:
+            raise Invalid(f"{value!r} is neither {NVML_SONAME} (looked up under the driver root) "
+                          f"nor an absolute path")
+        return super().check(value)
+
+
+class TextKind(Kind):
+    """A non-empty string without whitespace or control characters."""
+
+    metavar = "TEXT"
+
+    def check(self, value: str) -> str:
+        if value == "":
+            raise Invalid("must not be empty")
+        if any(ch.isspace() or ord(ch) < 32 for ch in value):
+            raise Invalid(f"{value!r} contains whitespace or control characters")
+        return value
+
+
+class ConfigFileKind(Kind):
+    """The config file path given by --config / CONFIG_FILE; empty means no file."""
+
+    metavar = "FILE"
+    text_form = "path (empty: none)"
+
+    def check(self, value: str) -> str:
+        if "\0" in value:
+            raise Invalid(f"{value!r} contains a NUL byte")
+        return value
+
+
+class StringListKind(Kind):
+    """A string or a list of non-empty strings (NVIDIA's cdiFeatureFlags)."""
+
+    def from_data(self, value: Any) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise Invalid(f"expected a string or a list of strings, got {describe(value)}")
+        out = []
+        for i, item in enumerate(items):
+            subkey = f"[{i}]" if isinstance(value, list) else ""
+            if not isinstance(item, str):
+                raise Invalid(f"expected a string, got {describe(item)}", subkey)
+            if not item:
+                raise Invalid("must not be empty", subkey)
+            out.append(item)
+        return tuple(out)
+
+    def to_data(self, value: Any) -> list[str]:
+        return list(value)
+
+
+# Go's time.ParseDuration: a sequence of decimal numbers with units, e.g. "60s", "1m30s".
+_GO_DURATION = re.compile(r"^[+]?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+$")
+
+
+class DurationKind(Kind):
+    """A Go duration as NVIDIA's config takes it: a string like "60s", or integer nanoseconds."""
+
+    def from_data(self, value: Any) -> str:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise Invalid(f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
+        if isinstance(value, int):
+            if value < 0:
+                raise Invalid(f"{value} is negative; a duration must be >= 0")
+            return f"{value}ns"
+        if value != "0" and not _GO_DURATION.match(value):
+            hint = "; it must not be negative" if value.startswith("-") else ""
+            raise Invalid(f"{value!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
+        return value
