@@ -92,12 +92,16 @@ def node(make_node) -> Node:
 
 
 @pytest.fixture
-def open_set(events, node):
-    """open_set() -> EventSet on the node's library; every one is closed at teardown."""
+def open_set(events):
+    """open_set() -> EventSet on the simulated library; every one is closed at teardown.
+
+    Call it after the node is made (`node`, or `make_node(...)` in the test), as the daemon
+    opens its event set after agent.nvml.library.init.
+    """
     made = []
 
     def make():
-        es = events.EventSet(node.path)
+        es = events.EventSet(str(lib_path()))
         made.append(es)
         return es
 
@@ -147,6 +151,28 @@ def test_events_arrive_in_order_from_several_gpus(events, node, open_set):
     assert [(e.index, e.uuid, e.xid) for e in got] == [
         (5, node.uuid(5), 13), (0, node.uuid(0), 43), (GPU, node.uuid(GPU), 79)
     ]
+
+
+def test_event_naming_no_gpu_has_no_index_or_uuid(events, node, open_set):
+    es = open_set()
+    es.register(GPU, XID)
+    node.inject_xid("none", 13)
+    event = es.wait(WAIT_MS)
+    assert event == _types.Event(None, None, XID, 13, _types.NO_INSTANCE, _types.NO_INSTANCE)
+
+
+def test_every_set_gets_the_event_whichever_implementation(events, node, open_set):
+    other = importlib.import_module(
+        "agent._fast._events_py" if events.__name__.endswith(".events") else "agent._fast.events"
+    )
+    mine = open_set()
+    with other.EventSet(node.path) as theirs:
+        mine.register(GPU, XID)
+        theirs.register(GPU, XID)
+        node.inject_xid(GPU, 79)
+        event = mine.wait(WAIT_MS)
+        assert event is not None and (event.index, event.xid) == (GPU, 79)
+        assert theirs.wait(WAIT_MS) == event
 
 
 def test_gpu_and_compute_instance_ids_pass_through(events, node, open_set):
@@ -200,6 +226,28 @@ def test_lost_gpu_raises_from_wait(events, node, open_set):
         es.wait(WAIT_MS)
     assert info.value.is_gpu_lost
     assert info.value.function == "nvmlEventSetWait_v2"
+    with pytest.raises(NvmlError) as info:
+        es.register(GPU, XID)
+    assert info.value.is_gpu_lost
+
+
+def test_ecc_event_types_pass_through(events, node, open_set):
+    es = open_set()
+    assert es.register(GPU, DBE | SBE) == DBE | SBE  # not XID: an XID must not come through
+    node.inject_xid(GPU, 79)
+    node.sim("ecc", "--gpu", str(GPU), "--double-bit")
+    node.sim("ecc", "--gpu", str(GPU), "--single-bit")
+    got = [es.wait(WAIT_MS) for _ in range(2)]
+    assert [(e.index, e.event_type, e.xid) for e in got] == [(GPU, DBE, 0), (GPU, SBE, 0)]
+
+
+def _until_waiting(es) -> None:
+    """Return once another thread is inside es.wait() (it flags that, then blocks)."""
+    for _ in range(10_000):
+        if es.waiting:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the waiter thread never got into wait()")
 
 
 def test_wait_releases_the_gil(events, node, open_set):
@@ -212,11 +260,7 @@ def test_wait_releases_the_gil(events, node, open_set):
     result = {}
     waiter = threading.Thread(target=lambda: result.setdefault("event", es.wait(WAIT_MS)))
     waiter.start()
-    for _ in range(10_000):  # until the waiter is inside wait() (it flags that, then blocks)
-        if es.waiting:
-            break
-        time.sleep(0.001)
-    assert es.waiting
+    _until_waiting(es)
     iterations = 0
     deadline = time.monotonic() + 0.3
     while time.monotonic() < deadline:
@@ -234,10 +278,7 @@ def test_one_waiter_at_a_time_and_no_close_under_it(events, node, open_set):
     es.register(GPU, XID)
     waiter = threading.Thread(target=es.wait, args=(WAIT_MS,))
     waiter.start()
-    for _ in range(10_000):
-        if es.waiting:
-            break
-        time.sleep(0.001)
+    _until_waiting(es)
     with pytest.raises(RuntimeError, match="stop the waiter first"):
         es.wait(10)
     with pytest.raises(RuntimeError, match="stop the waiter first"):
