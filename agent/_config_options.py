@@ -52,7 +52,7 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option(
         "config_file", "--config", "CONFIG_FILE", None, ConfigFileKind(), "",
-        "the config file (version: v1, NVIDIA's schema plus an agent: section)",
+        "the config file: NVIDIA's version: v1 schema plus an agent: section",
         aliases=("--config-file",), default_text="none",
     ),
     Option(

@@ -209,8 +209,10 @@ def _build(flags: dict, env: dict, layer: FileLayer | None, file_source: Source)
     for key in compat:
         sources[key] = Source("file", layer.path)
     if values["sharing"].mps is not None and values["mig_strategy"] == "mixed":
+        by = sources["mig_strategy"]
+        by_text = "flags.migStrategy" if by.kind == "file" else str(by)
         raise ConfigError("sharing.mps", f"MPS sharing does not work with MIG strategy 'mixed' "
-                                         f"(set by {sources['mig_strategy']})", layer.path)
+                                         f"(set by {by_text})", layer.path)
     return Config(**values, compat=MappingProxyType(compat), sources=MappingProxyType(sources))
 
 

@@ -585,6 +585,12 @@ def test_mps_with_mig_mixed_is_refused_naming_where_mixed_came_from(tmp_path):
                                f"'mixed' (set by env MIG_STRATEGY) ({path})")
 
 
+def test_mps_with_mig_mixed_in_the_same_file(tmp_path):
+    message, path = file_error(tmp_path, v1(flags={"migStrategy": "mixed"}, sharing={"mps": _TS}))
+    assert message == (f"sharing.mps: MPS sharing does not work with MIG strategy 'mixed' "
+                       f"(set by flags.migStrategy) ({path})")
+
+
 def test_imex(tmp_path):
     assert from_file(tmp_path, v1(imex={"channelIDs": [0], "required": True})).imex == Imex((0,), True)
     assert from_file(tmp_path, v1(imex={})).imex == Imex()
@@ -1027,3 +1033,12 @@ def test_property_unknown_keys_are_refused_with_their_path(tmp_path, where, name
         load_config({"config_file": write(tmp_path, data)}, {})
     assert info.value.key == (f"{where}.{name}" if where else name)
     assert info.value.problem.startswith("unknown key")
+
+
+def test_the_docs_name_every_option_with_its_flag_env_key_and_default():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    table = [line.replace("`", "") for line in docs.splitlines() if line.startswith("| ")]
+    for opt in OPTIONS:
+        names = (opt.flag, *opt.aliases, opt.env, opt.key or "—", opt.describe_default())
+        assert any(all(f" {name} " in f" {row} " or f" {name})" in row for name in names)
+                   for row in table), (opt.name, names)
