@@ -390,6 +390,18 @@ def test_json_escapes_beyond_the_basic_plane_are_read_as_json_means_them(tmp_pat
         load_config({"config_file": str(path)}, {})
 
 
+def test_a_file_saved_on_windows_loads(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"\xef\xbb\xbfversion: v1\r\nflags:\r\n  migStrategy: mixed\r\n")
+    assert load_config({"config_file": str(path)}, {}).mig_strategy == "mixed"
+
+
+def test_more_than_one_yaml_document_is_refused(tmp_path):
+    got, path = file_error(tmp_path, "version: v1\n---\nversion: v1\n")
+    assert got == (f"{path}: invalid YAML at line 2, column 1: but found another document "
+                   f"(expected a single document in the stream at line 1)")
+
+
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
     text = "version: v1\nflags:\n  migStrategy: none\n  failOnInitError: true\n  migStrategy: mixed\n"
     got, path = file_error(tmp_path, text)
