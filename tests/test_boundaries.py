@@ -38,7 +38,8 @@ GRPC_PARTS = {"kubelet", "daemon", "sim", "_proto", "demo", "__main__"}
 def _part(module_path: Path) -> str:
     rel = module_path.relative_to(AGENT)
     head = rel.parts[0]
-    return head[:-3] if head.endswith(".py") else head
+    head = head[:-3] if head.endswith(".py") else head
+    return "config" if head.startswith("_config_") else head
 
 
 def _agent_imports(tree: ast.AST) -> list[tuple[str, int]]:
