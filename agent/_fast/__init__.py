@@ -25,4 +25,6 @@ else:
         from agent._fast import _topology_py as topology_impl
         IMPLEMENTATION = "python"
 
+log.debug("hot paths: %s (%s, %s)", IMPLEMENTATION, events_impl.__name__, topology_impl.__name__)
+
 __all__ = ["IMPLEMENTATION", "events_impl", "topology_impl"]

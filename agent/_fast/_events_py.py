@@ -29,7 +29,7 @@ from agent._fast._types import (
     missing_symbol,
     wait_in_progress,
 )
-from agent.errors import NVML_CODES, NvmlError, nvml_error
+from agent.errors import NvmlError, nvml_error
 
 __all__ = ["MAX_WAIT_MS", "Event", "EventSet"]
 
@@ -48,7 +48,6 @@ _SYMBOLS = (
     "nvmlEventSetWait_v2",
     "nvmlEventSetFree",
 )
-_TIMEOUT = NVML_CODES["TIMEOUT"]
 
 
 def _call(function: str, fn, *args):
@@ -176,15 +175,17 @@ class EventSet:
             if self._waiting:
                 raise wait_in_progress("wait()")
             self._waiting = True
-        try:
-            data = pynvml.nvmlEventSetWait_v2(self._set, c_timeout)
-        except pynvml.NVMLError as exc:
-            if exc.value == _TIMEOUT:
-                return None
-            raise nvml_error(exc.value, "nvmlEventSetWait_v2") from exc
+        try:  # still "waiting" while the handle is resolved: close() must not shut NVML yet
+            try:
+                data = _call("nvmlEventSetWait_v2", pynvml.nvmlEventSetWait_v2,
+                             self._set, c_timeout)
+            except NvmlError as exc:
+                if exc.is_timeout:
+                    return None
+                raise
+            return self._event(data)
         finally:
             self._waiting = False
-        return self._event(data)
 
     @staticmethod
     def _event(data: pynvml.c_nvmlEventData_t) -> Event:

@@ -207,14 +207,16 @@ cdef class EventSet:
         if self._waiting:
             raise wait_in_progress("wait()")
         self._waiting = True
-        memset(&data, 0, sizeof(data))
-        with nogil:
-            ret = self._api.event_set_wait(self._set, &data, c_timeout)
-        self._waiting = False
-        if ret == NVML_ERROR_TIMEOUT:
-            return None
-        _check(ret, "nvmlEventSetWait_v2")
-        return self._event(&data)
+        try:  # still "waiting" while the handle is resolved: close() must not unload NVML yet
+            memset(&data, 0, sizeof(data))
+            with nogil:
+                ret = self._api.event_set_wait(self._set, &data, c_timeout)
+            if ret == NVML_ERROR_TIMEOUT:
+                return None
+            _check(ret, "nvmlEventSetWait_v2")
+            return self._event(&data)
+        finally:
+            self._waiting = False
 
     cdef object _event(self, const nvmlEventData_t* data):
         """The Event for `data`: index and UUID resolved from its device handle, else None."""
