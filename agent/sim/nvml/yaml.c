@@ -10,7 +10,8 @@
  *     (spaces only; a sequence may sit at its parent key's indentation, as PyYAML writes);
  *     `- key: value` starts a mapping inside a sequence item;
  *   - flow sequences on one line: `[a, "b", [c, d]]`;
- *   - scalars: plain, "double quoted" (escapes \" \\ \/ \n \t \r \0 \xNN \uNNNN), and
+ *   - scalars: plain, "double quoted" (YAML's escapes: \" \\ \/ \0 \a \b \t \n \v \f \r
+ *     \e \N \_ \L \P \xNN \uNNNN \UNNNNNNNN, but no escaped line breaks), and
  *     'single quoted' ('' for a quote);
  *   - comments: `#` at the start of a line or after whitespace, outside quotes;
  *   - an optional leading `---`.
@@ -463,6 +464,17 @@ static char *parse_quoted(yparser *p, int line, const char **s)
         case 't': *o++ = '\t'; break;
         case 'r': *o++ = '\r'; break;
         case '0': *o++ = '\0'; break;
+        case 'a': *o++ = '\a'; break;
+        case 'b': *o++ = '\b'; break;
+        case 'v': *o++ = '\v'; break;
+        case 'f': *o++ = '\f'; break;
+        case 'e': *o++ = '\x1b'; break;
+        case ' ': *o++ = ' '; break;
+        case '\t': *o++ = '\t'; break;
+        case 'N': put_utf8(&o, 0x85); break;
+        case '_': put_utf8(&o, 0xA0); break;
+        case 'L': put_utf8(&o, 0x2028); break;
+        case 'P': put_utf8(&o, 0x2029); break;
         case 'x': width = 2; break;
         case 'u': width = 4; break;
         case 'U': width = 8; break;
@@ -508,6 +520,18 @@ static const char *skip_blanks(const char *s)
     return s;
 }
 
+static int is_seq_item(const char *t) { return t[0] == '-' && (t[1] == '\0' || t[1] == ' '); }
+
+/* YAML: a plain scalar cannot start with an indicator, nor with "- ", "? " or ": ". */
+static int plain_start_ok(const char *s)
+{
+    if (*s && strchr(",[]{}#&*!|>'\"%@`", *s))
+        return 0;
+    if ((*s == '-' || *s == '?' || *s == ':') && (s[1] == '\0' || s[1] == ' '))
+        return 0;
+    return 1;
+}
+
 static ynode *scalar_node(yparser *p, int line, char *text, int quoted)
 {
     ynode *n = ynew(quoted ? Y_STR : classify_plain(text), line);
@@ -549,6 +573,11 @@ static ynode *parse_flow_seq(yparser *p, int line, const char **s)
             yfail(p, line, "anchors, aliases and tags are not supported");
         } else {
             const char *b = q;
+            if (!plain_start_ok(q)) {
+                yfail(p, line, "'%c' cannot start a plain value (quote it)", *q);
+                yaml_free(seq);
+                return NULL;
+            }
             while (*q && *q != ',' && *q != ']' && *q != '[' && *q != '{' && *q != '}')
                 q++;
             const char *e = q;
@@ -615,6 +644,11 @@ static ynode *parse_inline(yparser *p, int line, const char *s)
         yfail(p, line, "anchors, aliases and tags are not supported");
         return NULL;
     default: {
+        if (!plain_start_ok(q)) {
+            yfail(p, line, is_seq_item(q) ? "a sequence cannot start on the same line as a key"
+                                          : "'%c' cannot start a plain value (quote it)", *q);
+            return NULL;
+        }
         if (strstr(q, ": ") || q[strlen(q) - 1] == ':') {
             yfail(p, line, "a mapping cannot start on the same line as a key");
             return NULL;
@@ -634,7 +668,6 @@ static ynode *parse_inline(yparser *p, int line, const char *s)
     return n;
 }
 
-static int is_seq_item(const char *t) { return t[0] == '-' && (t[1] == '\0' || t[1] == ' '); }
 
 /* If `t` is `key: value` / `key:`, set *key (allocated) and *value (pointer into t). */
 static int split_key(yparser *p, int line, const char *t, char **key, const char **value)
