@@ -19,11 +19,13 @@ from pathlib import Path
 import pynvml
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent.errors import SimError
 from agent.nvml import library
 from agent.sim import lib_path, profile_names
-from agent.sim.profile import load_profile, nvml_view, parse_profile_text
+from agent.sim.profile import format_cpulist, load_profile, nvml_view, parse_profile_text
 from tests.conftest import ROOT, run_gpu_agent
 
 PROFILES_DIR = ROOT / "agent" / "sim" / "profiles"
@@ -575,3 +577,16 @@ def test_pynvml_in_a_fresh_process_binds_to_the_simulator(sim_env):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "8"
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cpus=st.sets(st.integers(0, 4095), max_size=200))
+def test_any_cpu_affinity_reads_back(node, tmp_path, cpus):
+    cpulist = format_cpulist(sorted(cpus))
+    assert cpus_of(cpulist) == cpus
+    path = tmp_path / "p.yaml"
+    path.write_text(edit('cpu_affinity: "0-13,28-41"', f'cpu_affinity: "{cpulist}"'))
+    node(str(path))
+    words = pynvml.nvmlDeviceGetCpuAffinity(pynvml.nvmlDeviceGetHandleByIndex(0), 64)
+    assert mask_cpus(list(words)) == cpus

@@ -5,7 +5,8 @@ as a command, loading the result in the simulated library, and checking that the
 matrix NVML reports (NV# from NVLink state + remote PCI info / remote device type, otherwise
 the PCIe common ancestor) equals the file cell for cell, and that NUMA nodes match. The
 expected values come from this file's own small reading of the matrix, not from
-agent.sim.profile. Must not patch pynvml.
+agent.sim.profile; Hypothesis adds random matrices the rules can represent. Must not patch
+pynvml.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent.nvml import library
 from agent.sim import lib_path
-from agent.sim.profile import load_profile
+from agent.sim.profile import dump_profile, load_profile, profile_from_topo
 from tests.conftest import DATA, run_gpu_agent
 
 TOPOLOGIES = sorted((DATA / "topologies").glob("*.txt"))
@@ -191,3 +194,45 @@ def test_bad_topology_is_a_clear_error(tmp_path, text, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@st.composite
+def topo_texts(draw):
+    """A random `nvidia-smi topo -m` text: PCIe levels, direct NV# pairs or an NVSwitch fabric."""
+    n = draw(st.integers(2, 8))
+    numa = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    cells = [["X"] * n for _ in range(n)]
+    fabric = draw(st.sampled_from([None, 12, 18]))
+    budget = [18] * n
+    for i in range(n):
+        for j in range(i + 1, n):
+            if fabric:
+                cell = f"NV{fabric}"
+            elif draw(st.booleans()) and min(budget[i], budget[j]) > 0:
+                k = draw(st.integers(1, min(budget[i], budget[j], 6)))
+                budget[i] -= k
+                budget[j] -= k
+                cell = f"NV{k}"
+            else:
+                cell = draw(st.sampled_from(["PIX", "PXB", "PHB", "NODE", "SYS"]))
+            cells[i][j] = cells[j][i] = cell
+    header = "\t" + "\t".join(f"GPU{i}" for i in range(n)) + "\tCPU Affinity\tNUMA Affinity"
+    rows = [f"GPU{i}\t" + "\t".join(" X " if c == "X" else c for c in cells[i])
+            + f"\t{numa[i] * 16}-{numa[i] * 16 + 15}\t{numa[i]}" for i in range(n)]
+    return "\n".join([header, *rows]) + "\n", cells, numa
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=topo_texts())
+def test_any_representable_matrix_reads_back(case, tmp_path, sim_env):
+    text, cells, numa = case
+    path = tmp_path / "random.yaml"
+    path.write_text(dump_profile(profile_from_topo(text, "random")))
+    sim_env(str(path))
+    drain_nvml()
+    library.init(str(lib_path()))
+    try:
+        assert read_back() == (cells, numa)
+    finally:
+        drain_nvml()
