@@ -644,7 +644,7 @@ def _q(text: str) -> str:
 
 
 def _flow(items: list) -> str:
-    return "[" + ", ".join(str(i) if _is_index(i) else str(i) for i in items) + "]"
+    return "[" + ", ".join(str(i) for i in items) + "]"
 
 
 def dump_profile(profile: dict[str, Any]) -> str:
