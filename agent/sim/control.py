@@ -78,14 +78,31 @@ def _gpu_spec(gpu: GpuSpec, allow_none: bool = False) -> str:
     return spec
 
 
+def _profile_for_checks(name: str) -> dict:
+    """The profile `name`, parsed once per file version: a burst of injections (a benchmark,
+    an XID storm) must not re-parse the YAML on every record."""
+    from agent.sim.profile import load_profile, resolve_profile_path
+
+    path = resolve_profile_path(name)
+    try:
+        stamp = (str(path), path.stat().st_mtime_ns)
+    except OSError:
+        return load_profile(name)  # reports the unreadable file
+    cached = _PROFILE_CACHE.get(stamp)
+    if cached is None:
+        cached = _PROFILE_CACHE[stamp] = load_profile(path)
+    return cached
+
+
+_PROFILE_CACHE: dict[tuple[str, int], dict] = {}
+
+
 def _check_against_profile(spec: str) -> None:
     """When $GPU_AGENT_SIM_PROFILE names the node, reject GPUs it does not have."""
     name = os.environ.get(ENV_PROFILE)
     if not name:
         return
-    from agent.sim.profile import load_profile
-
-    profile = load_profile(name)
+    profile = _profile_for_checks(name)
     gpus = profile["gpus"]
     if spec.isdigit():
         if int(spec) >= len(gpus):
@@ -102,6 +119,12 @@ def _u(value: int, what: str, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
         raise SimError(f"{what} {value!r}: expected an integer from 0 to {limit}")
     return value
+
+
+def check_gpu(gpu: GpuSpec) -> str:
+    """Validate a GPU index/UUID (against $GPU_AGENT_SIM_PROFILE when set) without writing a
+    record; returns its normalized form. Later records for it skip re-reading the profile."""
+    return _gpu_spec(gpu)
 
 
 def append_record(ctl: str | os.PathLike | None, record: str) -> str:
