@@ -19,13 +19,33 @@ log = logging.getLogger("agent")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from agent import _fast
+    import json
 
+    from agent import _fast
+    from agent.config import load_config
+    from agent.daemon import format_status, read_status
+
+    state_dir = load_config(args, os.environ).state_dir
+    doc = read_status(state_dir)
+    if args.json:
+        print(json.dumps({"version": __version__, "hotPaths": _fast.IMPLEMENTATION,
+                          "stateDir": state_dir, "agent": doc}, indent=2))
+        return 0
     print(f"gpu-agent {__version__}")
     print(f"hot paths: {_fast.IMPLEMENTATION} "
           f"(events: {_fast.events_impl.__name__}, topology: {_fast.topology_impl.__name__})")
     print(f"python: {sys.version.split()[0]}")
+    if doc is None:
+        print(f"agent: no status in {state_dir} (never started there)")
+    else:
+        print(format_status(doc))
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent.daemon import run
+
+    return run(args, os.environ)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -49,7 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("status", help="show the build: version and which hot-path implementation is live")
+    from agent.config import add_run_options
+
+    p = sub.add_parser(
+        "run", allow_abbrev=False,
+        help="run the device plugin daemon (register with kubelet, serve until SIGTERM)",
+        description="Run the device plugin: discover the GPUs through NVML, serve one "
+                    "device-plugin socket per resource beside kubelet.sock and register with "
+                    "kubelet; SIGHUP reloads the configuration, SIGTERM/SIGINT stop. "
+                    "See docs/operations.md.")
+    add_run_options(p)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "status", allow_abbrev=False,
+        help="show the build and, when an agent runs, its state (from STATE_DIR/status.json)",
+        description="Show the build (version, hot-path implementation) and what the agent "
+                    "using this state directory last reported. Takes run's options to find "
+                    "the state directory (--state-dir, GPU_AGENT_STATE_DIR, agent.stateDir).")
+    add_run_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser(

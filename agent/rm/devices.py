@@ -1,14 +1,17 @@
 """The device model: what the agent advertises to kubelet, and how each device maps to GPUs.
 
-Owns: `Device` (one advertised device) and building the full-GPU device list from discovered
-GPUs. Later: MIG devices and shared replicas map onto the same record. Must not call NVML (it
-gets `agent.nvml.discovery.Gpu` records) nor import grpc.
+Owns: `Device` (one advertised device), building the full-GPU device list from discovered
+GPUs, and naming the resource each one is advertised under (`resources.gpus` patterns, as
+NVIDIA's plugin reads them). Later: MIG devices and shared replicas map onto the same record.
+Must not call NVML (it gets `agent.nvml.discovery.Gpu` records) nor import grpc.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agent.nvml.discovery import Gpu
 
@@ -43,3 +46,28 @@ def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
         for gpu in sorted(gpus, key=lambda g: g.index)
         if not gpu.mig_enabled
     ]
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    """NVIDIA's wildcard match: `*` is any run of characters, everything else literal, and
+    the pattern must match the whole product name (case-sensitive)."""
+    return re.compile("^" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$")
+
+
+def resource_name_for(product: str, patterns: Sequence[Any]) -> str:
+    """The resource a GPU named `product` is advertised under: the `name` of the first
+    `resources.gpus` pattern (objects with `.pattern` and `.name`) that matches, else
+    nvidia.com/gpu."""
+    for p in patterns:
+        if _pattern_regex(p.pattern).match(product):
+            return p.name
+    return RESOURCE_GPU
+
+
+def devices_by_resource(gpus: Iterable[Gpu], patterns: Sequence[Any] = ()) -> dict[str, list[Device]]:
+    """Full-GPU devices grouped by resource name (sorted by name; devices in index order).
+    A resource appears only when at least one GPU maps to it."""
+    out: dict[str, list[Device]] = {}
+    for device in full_gpu_devices(gpus):
+        out.setdefault(resource_name_for(device.name, patterns), []).append(device)
+    return dict(sorted(out.items()))

@@ -1,0 +1,227 @@
+"""The device-plugin gRPC server of one resource, and its registration with kubelet.
+
+Owns: the socket of one resource in kubelet's device-plugin directory (created mode 0600,
+removed on stop), the DevicePlugin service (GetDevicePluginOptions, ListAndWatch,
+GetPreferredAllocation, Allocate, PreStartContainer) answering from an
+`agent.rm.manager.ResourceManager`, and the Register call towards kubelet.sock. Protobuf in,
+plain data to the manager, protobuf out: a RequestError from the manager becomes
+INVALID_ARGUMENT with its reason, and the server keeps serving. Must not call NVML (it never
+imports agent.nvml) nor decide lifecycle: `agent.daemon` starts, stops and re-registers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+
+import grpc
+
+from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
+from agent.errors import AgentError, RequestError
+from agent.rm.allocate import ContainerResponse
+from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
+
+log = logging.getLogger(__name__)
+
+SOCKET_PREFIX = "gpu-agent-"
+# A ListAndWatch stream wakes at least this often to notice that its server is stopping.
+STREAM_POLL_S = 0.2
+REGISTER_TIMEOUT_S = 5.0
+WORKERS = 16
+_CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+class RegistrationError(AgentError):
+    """kubelet did not accept the registration (not there, refused, or timed out)."""
+
+
+def socket_name(resource: str) -> str:
+    """The plugin socket's file name: gpu-agent-<name after the slash>.sock, e.g.
+    gpu-agent-gpu.sock for nvidia.com/gpu (distinct from NVIDIA's nvidia-gpu.sock, so the two
+    never remove each other's socket during a migration)."""
+    return f"{SOCKET_PREFIX}{resource.rsplit('/', 1)[-1]}.sock"
+
+
+def _device(health) -> dp.Device:
+    d = health.device
+    device = dp.Device(ID=d.id, health=HEALTHY if health.healthy else UNHEALTHY)
+    if d.numa_node is not None:
+        device.topology.nodes.add(ID=d.numa_node)
+    return device
+
+
+def list_response(snapshot: Snapshot) -> dp.ListAndWatchResponse:
+    return dp.ListAndWatchResponse(devices=[_device(h) for h in snapshot.devices])
+
+
+def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
+    return dp.ContainerAllocateResponse(
+        envs=r.envs,
+        mounts=[dp.Mount(container_path=m.container_path, host_path=m.host_path,
+                         read_only=m.read_only) for m in r.mounts],
+        devices=[dp.DeviceSpec(container_path=s.container_path, host_path=s.host_path,
+                               permissions=s.permissions) for s in r.devices],
+        annotations=r.annotations,
+        cdi_devices=[dp.CDIDevice(name=n) for n in r.cdi_devices],
+    )
+
+
+class _DevicePlugin(dp_grpc.DevicePluginServicer):
+    def __init__(self, plugin: PluginServer):
+        self.plugin = plugin
+        self.manager = plugin.manager
+
+    def GetDevicePluginOptions(self, request, context):
+        return self.plugin.options
+
+    def ListAndWatch(self, request, context):
+        plugin, manager = self.plugin, self.manager
+        snapshot = manager.snapshot()
+        log.info("%s: ListAndWatch stream opened; sending %d devices (%d healthy)",
+                 manager.resource, len(snapshot.devices),
+                 sum(1 for h in snapshot.devices if h.healthy))
+        plugin.streams_opened()
+        try:
+            yield list_response(snapshot)
+            while context.is_active() and not plugin.stopping:
+                current = manager.wait_for_change(snapshot.version, STREAM_POLL_S)
+                if current.closed:
+                    return
+                if current.version != snapshot.version:
+                    snapshot = current
+                    log.debug("%s: ListAndWatch snapshot %d: %s", manager.resource,
+                              snapshot.version, [(h.device.id, h.healthy) for h in snapshot.devices])
+                    yield list_response(snapshot)
+        finally:
+            plugin.streams_closed()
+
+    def GetPreferredAllocation(self, request, context):
+        requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
+                                     c.allocation_size) for c in request.container_requests]
+        try:
+            picks = self.manager.preferred(requests)
+        except RequestError as exc:
+            log.warning("%s: refused GetPreferredAllocation: %s", self.manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.debug("%s: preferred %s for %s", self.manager.resource, picks,
+                  [(r.size, list(r.must_include)) for r in requests])
+        return dp.PreferredAllocationResponse(container_responses=[
+            dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
+
+    def Allocate(self, request, context):
+        ids = [list(c.devices_ids) for c in request.container_requests]
+        try:
+            responses = self.manager.allocate(ids)
+        except RequestError as exc:
+            log.warning("%s: refused Allocate: %s", self.manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if log.isEnabledFor(logging.INFO):
+            by_id = self.manager.by_id
+            for container in ids:
+                log.info("%s: allocated to a container: %s", self.manager.resource, ", ".join(
+                    f"{by_id[i].gpu_uuid} (GPU {by_id[i].gpu_index})" for i in container))
+        return dp.AllocateResponse(container_responses=[_container_response(r) for r in responses])
+
+    def PreStartContainer(self, request, context):
+        return dp.PreStartContainerResponse()
+
+
+class PluginServer:
+    """The gRPC server of one resource on DIR/gpu-agent-<name>.sock.
+
+    start() listens (stale socket replaced, mode 0600); register(kubelet_socket) registers
+    the endpoint with kubelet; stop() ends the streams, stops serving and removes the socket.
+    A stopped server is not restarted: the daemon makes a new one.
+    """
+
+    def __init__(self, manager: ResourceManager, socket_dir: str):
+        self.manager = manager
+        self.resource = manager.resource
+        self.endpoint = socket_name(self.resource)
+        self.path = os.path.join(socket_dir, self.endpoint)
+        self.options = dp.DevicePluginOptions(pre_start_required=False,
+                                              get_preferred_allocation_available=True)
+        self.inode: int | None = None
+        self.stopping = False
+        self._server: grpc.Server | None = None
+        self._lock = threading.Lock()
+        self._streams = 0
+
+    def __repr__(self) -> str:
+        return f"PluginServer({self.resource!r} on {self.path})"
+
+    def streams_opened(self) -> None:
+        with self._lock:
+            self._streams += 1
+
+    def streams_closed(self) -> None:
+        with self._lock:
+            self._streams -= 1
+
+    @property
+    def open_streams(self) -> int:
+        with self._lock:
+            return self._streams
+
+    def start(self) -> None:
+        if os.path.lexists(self.path):
+            os.unlink(self.path)  # a socket left by a crash: nobody is serving it
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
+                                                        thread_name_prefix="plugin"),
+                             options=[("grpc.so_reuseport", 0)])
+        dp_grpc.add_DevicePluginServicer_to_server(_DevicePlugin(self), server)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
+        try:
+            bound = server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            raise AgentError(f"cannot listen on {self.path} for {self.resource}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+        if not bound:
+            raise AgentError(f"cannot listen on {self.path} for {self.resource}")
+        server.start()
+        os.chmod(self.path, 0o600)
+        self.inode = os.stat(self.path).st_ino
+        self._server = server
+        log.info("%s: serving the device-plugin API on %s", self.resource, self.path)
+
+    def owns_socket(self) -> bool:
+        """True while the socket file at our path is the one this server listens on."""
+        try:
+            return self.inode is not None and os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def register(self, kubelet_socket: str, timeout: float = REGISTER_TIMEOUT_S) -> None:
+        """Register this endpoint with the kubelet at `kubelet_socket` (kubelet dials us back
+        before it answers); RegistrationError on failure."""
+        request = dp.RegisterRequest(version=VERSION, endpoint=self.endpoint,
+                                     resource_name=self.resource, options=self.options)
+        channel = grpc.insecure_channel(f"unix:{kubelet_socket}", options=_CHANNEL_OPTIONS)
+        try:
+            dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout,
+                                                       wait_for_ready=False)
+        except grpc.RpcError as exc:
+            raise RegistrationError(
+                f"registering {self.resource} with kubelet at {kubelet_socket} failed: "
+                f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            channel.close()
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop serving (open streams end) and remove our socket if it is still ours."""
+        self.stopping = True
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.stop(grace).wait(grace + 1.0)
+        if self.owns_socket():
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        log.info("%s: stopped serving on %s", self.resource, self.path)

@@ -1,0 +1,125 @@
+"""One resource's manager: its devices, their health, and the answers to kubelet's questions.
+
+Owns: the device list of one resource (e.g. nvidia.com/gpu) with each device's health, a
+version number bumped on every change with a condition to wait on (the ListAndWatch streams
+follow it), and the plain-data answers to Allocate and GetPreferredAllocation built from
+`agent.rm.allocate` and `agent.rm.preferred`. This is the contract the gRPC layer serves
+(Intel's device-plugin framework cut: the framework owns sockets and streams, the manager
+owns devices). Thread-safe. Must not call NVML nor import grpc: devices come in built, health
+changes come in through `set_health`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agent.rm.allocate import (
+    ContainerResponse,
+    ResponseOptions,
+    container_response,
+    resolve_request,
+)
+from agent.rm.devices import Device
+from agent.rm.preferred import preferred_allocation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """A device and its health at one moment (a line of a ListAndWatch snapshot)."""
+
+    device: Device
+    healthy: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The whole device list at `version`; `closed` once the manager is shut."""
+
+    version: int
+    devices: tuple[DeviceHealth, ...]
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class PreferredRequest:
+    """One container's GetPreferredAllocation request, as plain data."""
+
+    available: Sequence[str]
+    must_include: Sequence[str]
+    size: int
+
+
+class ResourceManager:
+    """Devices of one resource, their health, and allocation answers. `options` shapes the
+    Allocate responses (device-list and device-ID strategies, passDeviceSpecs...)."""
+
+    def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions):
+        self.resource = resource
+        self.options = options
+        self.devices: tuple[Device, ...] = tuple(devices)
+        self.by_id = {d.id: d for d in self.devices}
+        self._health = {d.id: (True, "") for d in self.devices}
+        self._cond = threading.Condition()
+        self._version = 1
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"ResourceManager({self.resource!r}, {len(self.devices)} devices)"
+
+    # -- state -----------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        with self._cond:
+            return Snapshot(self._version, tuple(
+                DeviceHealth(d, *self._health[d.id]) for d in self.devices), self._closed)
+
+    @property
+    def healthy_count(self) -> int:
+        with self._cond:
+            return sum(1 for ok, _ in self._health.values() if ok)
+
+    def wait_for_change(self, version: int, timeout: float) -> Snapshot:
+        """The snapshot once its version differs from `version` or the manager closes, or the
+        current one after `timeout` s."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._version != version or self._closed, timeout)
+        return self.snapshot()
+
+    def set_health(self, device_id: str, healthy: bool, reason: str = "") -> bool:
+        """Record a device's health; True (and a new version) when it changed."""
+        with self._cond:
+            if device_id not in self._health or self._health[device_id][0] == healthy:
+                return False
+            self._health[device_id] = (healthy, reason)
+            self._version += 1
+            self._cond.notify_all()
+        d = self.by_id[device_id]
+        log.info("%s device %s (GPU %d) is now %s%s", self.resource, d.gpu_uuid, d.gpu_index,
+                 "healthy" if healthy else "unhealthy", f": {reason}" if reason else "")
+        return True
+
+    def close(self) -> None:
+        """Wake every waiter for good (the streams following this manager end)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- kubelet's questions -----------------------------------------------------------------
+
+    def allocate(self, container_requests: Sequence[Sequence[str]]) -> list[ContainerResponse]:
+        """One ContainerResponse per container request, in order; RequestError (nothing
+        allocated) if any request is empty, repeats an ID or names an unknown one."""
+        resolved = [resolve_request(self.resource, ids, self.by_id) for ids in container_requests]
+        return [container_response(devices, self.options) for devices in resolved]
+
+    def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
+        """The preferred device IDs for each container request, in order; RequestError if one
+        cannot be met."""
+        return [preferred_allocation(self.resource, r.available, r.must_include, r.size,
+                                     self.by_id) for r in requests]

@@ -1,0 +1,255 @@
+"""What the daemon tests share: a simulated node and `gpu-agent run` as a real subprocess.
+
+`Node` is a short temp directory (unix socket paths are limited to 107 bytes) holding the
+simulated kubelet's device-plugin directory, the simulated NVML's control directory and the
+agent's state directory; it runs a SimKubelet in this process over real unix sockets (start it
+later with `start_kubelet=False`). `Agent` is `gpu-agent run` against them, its output in a log
+file, killed by PID if a test leaves it running. `NotifySocket` stands in for systemd's
+NOTIFY_SOCKET. Every wait is bounded and shows the agent's log when it runs out; nothing here
+asserts on timing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from agent._config_options import OPTIONS
+from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent.sim import PROFILES_DIR, lib_path
+from agent.sim.kubelet import SimKubelet, SimKubeletClient
+from tests.conftest import ROOT, gpu_agent_cmd
+
+WAIT = 20.0  # upper bound of every wait; a healthy run needs far less
+GPU = "nvidia.com/gpu"
+SOCKET = "gpu-agent-gpu.sock"
+LIB = str(lib_path())
+_OPTION_ENV = {opt.env for opt in OPTIONS}
+_SYSTEMD_ENV = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"}
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment without anything that configures the agent or the simulator."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPU_AGENT_") and k not in _OPTION_ENV and k not in _SYSTEMD_ENV}
+    env.update(extra)
+    return env
+
+
+class Node:
+    """A simulated GPU node: kubelet directory, simulated NVML, state directory."""
+
+    def __init__(self, profile: str = "dgx1-v100", start_kubelet: bool = True):
+        self.root = tempfile.mkdtemp(prefix="ga", dir="/tmp")
+        self.kdir = os.path.join(self.root, "kd")
+        self.ctl = os.path.join(self.root, "ctl")
+        self.state = os.path.join(self.root, "state")
+        os.makedirs(self.ctl)
+        os.makedirs(self.kdir)
+        self.profile = profile
+        self.kubelet_socket = os.path.join(self.kdir, "kubelet.sock")
+        self.plugin_socket = os.path.join(self.kdir, SOCKET)
+        self.kubelet: SimKubelet | None = None
+        self.client = SimKubeletClient(self.kdir)
+        self.agents: list[Agent] = []
+        if start_kubelet:
+            self.start_kubelet()
+
+    def start_kubelet(self) -> None:
+        self.kubelet = SimKubelet(self.kdir, dial_timeout=5.0)
+        self.kubelet.start()
+
+    def env(self, **extra: str) -> dict:
+        return clean_env(GPU_AGENT_SIM_PROFILE=self.profile, GPU_AGENT_SIM_CONTROL=self.ctl,
+                         **extra)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def write(self, name: str, text: str) -> str:
+        path = self.path(name)
+        Path(path).write_text(text)
+        return path
+
+    def profile_copy(self, name: str = "profile.yaml", faults: str = "") -> str:
+        """A copy of this node's shipped profile at ROOT/name, with `faults:` lines added."""
+        text = (PROFILES_DIR / f"{self.profile}.yaml").read_text()
+        return self.write(name, text + (f"faults:\n{faults}" if faults else ""))
+
+    def agent(self, *args: str, env: dict | None = None, nvml: bool = True,
+              kubelet: bool = True) -> Agent:
+        argv = ["run", "--state-dir", self.state]
+        if kubelet:
+            argv += ["--kubelet-socket", self.kubelet_socket]
+        if nvml:
+            argv += ["--nvml-library", LIB]
+        agent = Agent(self, [*argv, *args], self.env() if env is None else env)
+        self.agents.append(agent)
+        return agent
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.kill()
+        if self.kubelet is not None:
+            self.kubelet.stop()
+        self.client.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Agent:
+    """`gpu-agent run ARGS` as a subprocess; stdout and stderr go to a log file."""
+
+    def __init__(self, node: Node, args: list[str], env: dict):
+        self.node = node
+        self.args = args
+        self.log_path = node.path(f"agent-{len(node.agents)}.log")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(gpu_agent_cmd(*args), env=env, cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_log(self, text: str, timeout: float = WAIT) -> str:
+        """Wait until the log holds `text` (the process may have exited)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} in the agent's log within {timeout:g} s:\n"
+                                     f"{self.log}")
+            time.sleep(0.05)
+        return self.log
+
+    def wait_for(self, predicate, what: str, timeout: float = WAIT):
+        """Poll the kubelet's state until predicate(state); fail at once if the agent died."""
+        def check(state):
+            if not self.alive():
+                raise AssertionError(f"the agent exited ({self.proc.returncode}) while waiting "
+                                     f"for {what}:\n{self.log}")
+            return predicate(state)
+        try:
+            return self.node.client.wait_for(check, timeout=timeout, what=what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nagent log:\n{self.log}") from None
+
+    def wait_registered(self, registrations: int = 1, resource: str = GPU, timeout: float = WAIT):
+        """Wait until kubelet has `registrations` registrations of `resource`, the stream is
+        open and a device list arrived from the current one; returns the ResourceState."""
+        def registered(state):
+            r = state.resource(resource)
+            return (r is not None and r.connected and r.registrations >= registrations
+                    and r.devices != () and r.last_snapshot_ns >= r.registered_ns)
+        state = self.wait_for(registered, f"{resource} registration {registrations}", timeout)
+        return state.resource(resource)
+
+    def stub(self) -> dp_grpc.DevicePluginStub:
+        """A DevicePlugin client on the agent's socket (as kubelet dials it)."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(f"unix:{self.node.plugin_socket}",
+                                                  options=[("grpc.enable_http_proxy", 0)])
+        return dp_grpc.DevicePluginStub(self._channel)
+
+    def allocate(self, *containers: list[str]) -> dp.AllocateResponse:
+        return self.stub().Allocate(dp.AllocateRequest(container_requests=[
+            dp.ContainerAllocateRequest(devices_ids=ids) for ids in containers]), timeout=WAIT)
+
+    def send(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = WAIT) -> int:
+        """Send `signum` and wait for the exit code."""
+        self.send(signum)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = WAIT) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the agent did not exit within {timeout:g} s:\n"
+                                 f"{self.log}") from None
+
+    def kill(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's NOTIFY_SOCKET; collects the messages.
+
+    `abstract=True` binds in the abstract namespace and gives the `@name` form."""
+
+    def __init__(self, node: Node, abstract: bool = False):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract:
+            name = f"ga-notify-{os.getpid()}-{id(self)}"
+            self.sock.bind("\0" + name)
+            self.address = "@" + name
+        else:
+            self.address = node.path("notify.sock")
+            self.sock.bind(self.address)
+        self.sock.settimeout(0.1)
+        self.messages: list[dict[str, str]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while not self._stop:
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self._cond:
+                self.messages.append(fields)
+                self._cond.notify_all()
+
+    def wait(self, predicate, what: str, timeout: float = WAIT) -> list[dict[str, str]]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: predicate(self.messages), timeout):
+                raise AssertionError(f"no {what} within {timeout:g} s; got {self.messages}")
+            return list(self.messages)
+
+    def wait_key(self, key: str, value: str | None = None, after: int = 0,
+                 timeout: float = WAIT) -> int:
+        """Index of the first message after position `after` that sets `key` (to `value`)."""
+        def found(messages):
+            return any(key in m and (value is None or m[key] == value)
+                       for m in messages[after:])
+        messages = self.wait(found, f"{key}={value or '*'} after message {after}", timeout)
+        return next(i for i, m in enumerate(messages) if i >= after and key in m
+                    and (value is None or m[key] == value))
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.sock.close()
