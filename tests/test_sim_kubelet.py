@@ -15,6 +15,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -218,10 +219,15 @@ def kubelet_proc(kdir):
 def kubelet(kubelet_proc, kdir):
     """A client of the running simulated kubelet."""
     with SimKubeletClient(kdir) as client:
-        try:
-            client.wait_ready(timeout=WAIT)
-        except TimeoutError:
-            pytest.fail(f"simulated kubelet did not come up (exit code {kubelet_proc.poll()})")
+        deadline = time.monotonic() + WAIT
+        while True:
+            try:
+                client.wait_ready(timeout=0.5)
+                break
+            except TimeoutError as err:
+                if kubelet_proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"simulated kubelet did not come up (exit code "
+                                f"{kubelet_proc.poll()}): {err}")
         yield client
 
 
@@ -257,6 +263,7 @@ def _is_socket(path: str) -> bool:
 def test_plugin_registers_and_kubelet_sees_capacity_and_allocatable(kubelet, plugin):
     state = registered(kubelet, plugin)
     widget = state.resource(RESOURCE)
+    assert state.registrations == (widget,)
     assert (widget.capacity, widget.allocatable, widget.allocated) == (4, 4, 0)
     assert widget.endpoint == "widget.sock"
     assert widget.registrations == 1
@@ -518,9 +525,13 @@ def test_podresources_splits_a_containers_devices_by_numa_node(kubelet, plugin, 
 
 def test_stream_that_ends_makes_devices_unhealthy_until_the_plugin_registers_again(kubelet,
                                                                                    plugin):
-    registered(kubelet, plugin)
+    seq = registered(kubelet, plugin).last_event_seq
     plugin.end_streams()
-    state = kubelet.wait_for(lambda s: not s.resource(RESOURCE).connected, WAIT)
+    ended = kubelet.wait_for_event(lambda e: e.kind == e.STREAM_ENDED, after_seq=seq,
+                                   timeout=WAIT, what="STREAM_ENDED")
+    assert ended.resource_name == RESOURCE and "unhealthy" in ended.message
+    state = kubelet.state()
+    assert state.registrations == ()
     widget = state.resource(RESOURCE)
     assert (widget.capacity, widget.allocatable) == (4, 0)
     assert {d.health for d in widget.devices} == {UNHEALTHY}
@@ -609,19 +620,27 @@ def test_sim_kubelet_exits_0_on_sigterm_and_removes_its_sockets(kubelet, kubelet
     assert not os.path.exists(control_socket_path(kdir))
 
 
-def test_in_process_sim_kubelet(kdir):
-    with SimKubelet(kdir) as sim, SimKubeletClient(kdir) as client:
+def test_in_process_sim_kubelet_with_its_own_podresources_socket(kdir):
+    pr_socket = os.path.join(kdir, "pr", "api.sock")
+    with SimKubelet(kdir, podresources_socket=pr_socket) as sim, SimKubeletClient(kdir) as client:
         p = WidgetPlugin(kdir).start()
         try:
             registered(client, p)
             pod = client.admit_pod("p", {"main": {RESOURCE: 1}})
             assert sim.state().pods[0].containers[0].resources[0].device_ids == \
                 list(pod.devices(RESOURCE))
+            with grpc.insecure_channel(f"unix:{pr_socket}") as channel:
+                listed = pr_grpc.PodResourcesListerStub(channel).List(
+                    pr.ListPodResourcesRequest(), timeout=WAIT).pod_resources
+            assert [pod.name for pod in listed] == ["p"]
+            assert client.state().podresources_socket == pr_socket
             restarts, removed = sim.restart()
             assert restarts == 1 and os.path.join(kdir, "widget.sock") in removed
+            assert _is_socket(pr_socket)
         finally:
             p.stop()
     assert not os.path.exists(os.path.join(kdir, "kubelet.sock"))
+    assert not os.path.exists(pr_socket)
 
 
 def test_wait_for_times_out_with_the_last_state(kubelet, plugin):

@@ -152,6 +152,11 @@ class KubeletState:
     def resource(self, name: str) -> ResourceState | None:
         return self.resources.get(name)
 
+    @property
+    def registrations(self) -> tuple[ResourceState, ...]:
+        """Resources whose plugin is registered now (its ListAndWatch stream is open)."""
+        return tuple(r for r in self.resources.values() if r.connected)
+
     def pod(self, name: str, namespace: str = "default") -> PodState | None:
         return next((p for p in self.pods if p.name == name and p.namespace == namespace), None)
 
