@@ -27,6 +27,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.errors import SimError
 from agent.sim.kubelet import (
     PodExists,
     PodNotFound,
@@ -281,6 +282,8 @@ def test_unhealthy_device_in_a_new_snapshot_drops_allocatable(kubelet, plugin):
     assert widget.capacity == 4
     assert widget.device("w1").health == UNHEALTHY
     assert widget.snapshot_seq == first + 1
+    assert [(d.id, d.health) for d in widget.latest_snapshot.devices] == [
+        ("w0", HEALTHY), ("w1", UNHEALTHY), ("w2", HEALTHY), ("w3", HEALTHY)]
 
     plugin.set_health("w1", HEALTHY)
     kubelet.wait_for(lambda s: s.resource(RESOURCE).allocatable == 4, WAIT)
@@ -641,6 +644,17 @@ def test_in_process_sim_kubelet_with_its_own_podresources_socket(kdir):
             p.stop()
     assert not os.path.exists(os.path.join(kdir, "kubelet.sock"))
     assert not os.path.exists(pr_socket)
+
+
+def test_sim_kubelet_refuses_a_directory_too_long_for_unix_sockets():
+    with pytest.raises(SimError, match="use a shorter --dir"):
+        SimKubelet("/tmp/" + "d" * 100)
+
+
+def test_cli_reports_a_directory_it_cannot_create():
+    proc = run_gpu_agent("sim", "kubelet", "--dir", "/proc/gk-cannot-exist", check=False)
+    assert proc.returncode == 2
+    assert "cannot start the simulated kubelet in /proc/gk-cannot-exist" in proc.stderr
 
 
 def test_wait_for_times_out_with_the_last_state(kubelet, plugin):

@@ -63,6 +63,8 @@ class ResourceState:
     stream_end_reason: str
     registered_ns: int
     last_snapshot_ns: int
+    # The newest ListAndWatchResponse as sent (health as the plugin said it); None before one.
+    latest_snapshot: ctl.Snapshot | None = None
 
     def device(self, device_id: str) -> DeviceState | None:
         return next((d for d in self.devices if d.id == device_id), None)
@@ -188,7 +190,8 @@ def kubelet_state(msg: ctl.State) -> KubeletState:
             r.capacity, r.allocatable, r.allocated, r.snapshot_seq,
             tuple(DeviceState(d.id, d.health, tuple(d.numa_nodes), d.allocated)
                   for d in r.devices),
-            r.stream_end_reason, r.registered.wall_ns, r.last_snapshot.wall_ns)
+            r.stream_end_reason, r.registered.wall_ns, r.last_snapshot.wall_ns,
+            r.latest_snapshot if r.HasField("latest_snapshot") else None)
         for r in msg.resources
     }
     return KubeletState(msg.dir, msg.kubelet_socket, msg.podresources_socket,

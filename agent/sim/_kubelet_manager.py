@@ -552,6 +552,8 @@ class DeviceManager:
                     rs.registered.CopyFrom(res.registered)
                 if res.last_snapshot is not None:
                     rs.last_snapshot.CopyFrom(res.last_snapshot)
+                if res.snapshots:
+                    rs.latest_snapshot.CopyFrom(res.snapshots[-1])
                 for dev_id in sorted(res.devices):
                     health, numa = res.devices[dev_id]
                     rs.devices.add(id=dev_id, health=health, numa_nodes=numa,

@@ -17,6 +17,17 @@ socket layout, the public names below and the errors. Must not import grpc at im
 - `_kubelet_client`: `SimKubeletClient` and the state it returns
 
 Public names: SimKubelet, SimKubeletClient, KubeletState (and its parts), the errors, the paths.
+
+Choices, where kubelet versions or the brief differ:
+- GetPreferredAllocation is called whenever the plugin offers it, also when there are exactly
+  as many candidates as needed: with no topology hint that is what devicesToAllocate does.
+- Register errors come back as gRPC status UNKNOWN (kubelet returns plain Go errors); the
+  message names the reason. A second registration of a resource replaces the first and closes
+  its stream (the newest kubelets refuse one on a different socket path instead).
+- Not simulated: the topology manager (no NUMA hints), init containers and device reuse, the
+  5-minute grace before an ended resource's capacity drops to 0, node-status lag, the on-disk
+  checkpoint (pods survive restart() in memory), cpu/memory/DRA in podresources, and the
+  plugin-watcher (pluginregistration) path.
 """
 
 from __future__ import annotations
@@ -130,7 +141,11 @@ def _cmd_kubelet(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    sim.start()
+    try:
+        sim.start()
+    except OSError as err:
+        sim.stop()
+        raise SimError(f"cannot start the simulated kubelet in {args.dir}: {err}") from err
     try:
         print(f"simulated kubelet serving: registration {sim.kubelet_socket}, "
               f"podresources {sim.podresources_socket}, control {sim.control_socket}", flush=True)

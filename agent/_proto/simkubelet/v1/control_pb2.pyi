@@ -51,7 +51,7 @@ class Snapshot(_message.Message):
     def __init__(self, resource_name: _Optional[str] = ..., seq: _Optional[int] = ..., received: _Optional[_Union[Time, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class ResourceState(_message.Message):
-    __slots__ = ("resource_name", "endpoint", "options", "registrations", "connected", "capacity", "allocatable", "snapshot_seq", "devices", "registered", "last_snapshot", "stream_end_reason", "allocated")
+    __slots__ = ("resource_name", "endpoint", "options", "registrations", "connected", "capacity", "allocatable", "snapshot_seq", "devices", "registered", "last_snapshot", "stream_end_reason", "allocated", "latest_snapshot")
     RESOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ResourceState(_message.Message):
     LAST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STREAM_END_REASON_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     resource_name: str
     endpoint: str
     options: _api_pb2.DevicePluginOptions
@@ -78,7 +79,8 @@ class ResourceState(_message.Message):
     last_snapshot: Time
     stream_end_reason: str
     allocated: int
-    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: _Optional[bool] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., snapshot_seq: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., last_snapshot: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ...) -> None: ...
+    latest_snapshot: Snapshot
+    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: _Optional[bool] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., snapshot_seq: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., last_snapshot: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ..., latest_snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("dir", "kubelet_socket", "podresources_socket", "control_socket", "restarts", "resources", "pods", "last_event_seq", "started", "registration_failures")
