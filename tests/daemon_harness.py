@@ -70,8 +70,8 @@ class Node:
         self.kubelet.start()
 
     def env(self, **extra: str) -> dict:
-        return clean_env(GPU_AGENT_SIM_PROFILE=self.profile, GPU_AGENT_SIM_CONTROL=self.ctl,
-                         **extra)
+        return clean_env(**{"GPU_AGENT_SIM_PROFILE": self.profile,
+                            "GPU_AGENT_SIM_CONTROL": self.ctl, **extra})
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)

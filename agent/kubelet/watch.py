@@ -10,9 +10,14 @@ daemon's select loop and never blocks. Must not decide anything: the daemon does
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import NamedTuple
 
-import pyinotify
+with warnings.catch_warnings():
+    # pyinotify imports asyncore, deprecated in 3.11 (pyasyncore provides it from 3.12); it
+    # uses none of it here. Keep that warning out of every test run and log.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import pyinotify
 
 log = logging.getLogger(__name__)
 
