@@ -1,14 +1,17 @@
 """`gpu-agent demo` (the README's `make demo`): a narrated walk through a simulated GPU node.
 
-Owns: the walk-through and its short tables. It starts the simulated kubelet as a real
-subprocess, loads the simulated NVML in this process (as the agent does), and drives faults
-through `gpu-agent sim`. Must not contain agent logic: it only shows what the parts do.
+Owns: the walk-through and its short tables. It starts the simulated kubelet and the agent
+(`gpu-agent run`) as real subprocesses, loads the simulated NVML in this process to show what
+the node looks like, admits a pod through the simulated kubelet, restarts the kubelet, and
+drives faults through `gpu-agent sim`. Must not contain agent logic: it only shows what the
+parts do, as an operator would see them.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 XID_EVENT = 0x8
+RESOURCE = "nvidia.com/gpu"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
@@ -50,6 +54,29 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 15) -> None:
         time.sleep(0.05)
 
 
+def _wait_state(client, predicate, agent: subprocess.Popen, log: Path, what: str,
+                timeout: float = 20):
+    """Poll the simulated kubelet until predicate(state); fail if the agent exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.state()
+        if predicate(state):
+            return state
+        if agent.poll() is not None or time.monotonic() > deadline:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"{what}: not seen (agent exit code {agent.poll()}); "
+                               f"agent log:\n{tail}")
+        time.sleep(0.02)
+
+
+def _registered(count: int):
+    def check(state) -> bool:
+        r = state.resource(RESOURCE)
+        return bool(r and r.connected and r.registrations >= count and r.devices
+                    and r.last_snapshot_ns >= r.registered_ns)
+    return check
+
+
 def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
     import pynvml
 
@@ -65,7 +92,7 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
     dp_dir.mkdir()
     os.environ["GPU_AGENT_SIM_PROFILE"] = profile
     os.environ["GPU_AGENT_SIM_CONTROL"] = str(ctl)
-    kubelet = None
+    kubelet = agent = None
     try:
         path = str(lib_path())
         library.init(path)
@@ -93,12 +120,67 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
             [sys.executable, "-m", "agent", "sim", "kubelet", "--dir", str(dp_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _wait_for(dp_dir / "kubelet.sock", kubelet)
-        state = SimKubeletClient(str(dp_dir)).state()
+        client = SimKubeletClient(str(dp_dir))
+        state = client.state()
         print(f"  listening on {dp_dir / 'kubelet.sock'} (pid {kubelet.pid}); "
               f"registered device plugins: {len(state.registrations)}")
-        print("  (the agent registers nvidia.com/gpu here once `gpu-agent run` lands)")
 
-        say("4. Health signal path: NVML event → agent._fast event loop",
+        agent_args = ["run", "--kubelet-socket", str(dp_dir / "kubelet.sock"),
+                      "--nvml-library", path, "--state-dir", str(work / "state"),
+                      "--device-list-strategy", "envvar,cdi-cri"]
+        say("4. The agent registers with kubelet",
+            f"  W={work}\n  gpu-agent " + " ".join(agent_args).replace(path, "$(gpu-agent sim lib-path)")
+            .replace(str(work), "$W"))
+        agent_log = work / "agent.log"
+        t0 = time.monotonic()
+        with open(agent_log, "wb") as log_file:
+            agent = subprocess.Popen([sys.executable, "-m", "agent", *agent_args],
+                                     stdout=log_file, stderr=subprocess.STDOUT)
+        state = _wait_state(client, _registered(1), agent, agent_log, "registration")
+        res = state.resource(RESOURCE)
+        print(table(["resource", "endpoint", "registrations", "preferred allocation",
+                     "pre-start", "registered after"],
+                    [[res.name, res.endpoint, res.registrations,
+                      "yes" if res.get_preferred_allocation_available else "no",
+                      "yes" if res.pre_start_required else "no",
+                      f"{time.monotonic() - t0:.2f} s (process start to device list)"]]))
+
+        say("5. Devices as kubelet sees them (ListAndWatch)")
+        by_uuid = {g.uuid: g for g in gpus}
+        print(table(["GPU", "device ID (UUID)", "NUMA", "health"],
+                    [[by_uuid[d.id].index, d.id, ",".join(map(str, d.numa_nodes)) or "-",
+                      d.health] for d in sorted(res.devices, key=lambda d: by_uuid[d.id].index)]))
+        print(f"  capacity {res.capacity}, allocatable {res.allocatable}")
+
+        size = min(4, len(gpus))
+        say(f"6. A {size}-GPU pod: kubelet asks for a preferred allocation, then Allocate")
+        pod = client.admit_pod("trainer", {"main": {RESOURCE: size}})
+        alloc = pod.container("main").allocation(RESOURCE)
+        picked = [by_uuid[d] for d in alloc.preferred_device_ids]
+        print(f"  preferred: GPUs {', '.join(str(g.index) for g in picked)} "
+              f"(NUMA {', '.join(sorted({str(g.numa_node) for g in picked}))}); "
+              f"kubelet allocated: GPUs "
+              f"{', '.join(str(by_uuid[d].index) for d in alloc.device_ids)}")
+        print("  links joining the picked GPUs:")
+        print(table(["", *[f"GPU{g.index}" for g in picked]],
+                    [[f"GPU{a.index}", *["X" if a.index == b.index
+                                         else links[(a.index, b.index)].label for b in picked]]
+                     for a in picked], indent="    "))
+        r = alloc.container_response
+        rows = [[f"env {k}", v] for k, v in sorted(r.envs.items())]
+        rows += [["CDI device", c.name] for c in r.cdi_devices]
+        rows += [["mount", f"{m.host_path} -> {m.container_path}"] for m in r.mounts]
+        rows += [["device", f"{d.host_path} ({d.permissions})"] for d in r.devices]
+        rows += [[f"annotation {k}", v] for k, v in sorted(r.annotations.items())]
+        print("  Allocate response (one container):")
+        wrapped = []  # long lists one item a line, as written (commas kept)
+        for field, value in rows:
+            items = value.split(",")
+            wrapped += [[field if i == 0 else "", item + ("," if i < len(items) - 1 else "")]
+                        for i, item in enumerate(items)]
+        print(table(["field", "value"], wrapped, indent="    "))
+
+        say("7. Health signal path: NVML event → agent._fast event loop",
             f"  hot paths: {_fast.IMPLEMENTATION}")
         events = _fast.events_impl
         with events.EventSet(path) as es:
@@ -107,7 +189,6 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
             victim = gpus[min(3, len(gpus) - 1)]
             print(f"  registered XidCriticalError on {len(gpus)} GPUs; injecting: "
                   f"gpu-agent sim inject-xid --gpu {victim.index} --xid 79")
-            control.check_gpu(victim.index)  # validate first: time the delivery only
             t0 = time.perf_counter()
             control.inject_xid(str(ctl), victim.index, 79)
             ev = es.wait(2000)
@@ -116,15 +197,40 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                 raise RuntimeError("the injected XID was not delivered")
             print(table(["GPU", "UUID", "event", "XID", "delivered in"],
                         [[ev.index, ev.uuid, "XidCriticalError", ev.xid, f"{dt:.0f} µs"]]))
+        print("  (withdrawing the GPU from kubelet on such an event comes with the health "
+              "state machine)")
 
-        say("5. Clean stop")
+        say("8. Kubelet restart: the agent registers again",
+            f"  gpu-agent sim kubelet-restart --dir {dp_dir}")
+        t0 = time.monotonic()
+        removed = client.restart()
+        state = _wait_state(client, _registered(2), agent, agent_log, "re-registration")
+        res = state.resource(RESOURCE)
+        print(f"  kubelet removed {', '.join(os.path.basename(p) for p in removed)}; the agent "
+              f"saw it (inotify) and registered again in {time.monotonic() - t0:.2f} s")
+        print(table(["resource", "registrations", "stream", "allocatable", "pod trainer keeps"],
+                    [[res.name, res.registrations, "open" if res.connected else "closed",
+                      res.allocatable,
+                      f"GPUs {', '.join(str(by_uuid[d].index) for d in state.pod('trainer').devices(RESOURCE))}"]]))
+
+        say("9. Clean stop")
+        agent.send_signal(signal.SIGTERM)
+        agent_code = agent.wait(10)
+        gone = not (dp_dir / "gpu-agent-gpu.sock").exists()
+        print(f"  gpu-agent: SIGTERM → exit {agent_code}; its socket removed: "
+              f"{'yes' if gone else 'no'}")
+        agent = None
         kubelet.terminate()
         code = kubelet.wait(10)
         kubelet = None
+        client.close()
         print(f"  simulated kubelet stopped (exit {code}); NVML shut down")
         library.shutdown()
-        return 0 if code == 0 else 1
+        return 0 if code == 0 and agent_code == 0 and gone else 1
     finally:
+        if agent is not None:
+            agent.kill()
+            agent.wait()
         if kubelet is not None:
             kubelet.kill()
             kubelet.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from conftest import run_gpu_agent
@@ -15,12 +16,25 @@ def test_demo_walks_through_and_exits_zero(profile):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_SIM_")}
     proc = run_gpu_agent("demo", "--profile", profile, env=env, timeout=120)
     out = proc.stdout
-    for step in ("1. Simulated GPU node", "2. Topology", "3. Simulated kubelet",
-                 "4. Health signal path", "5. Clean stop"):
-        assert f"== {step}" in out, out
+    steps = ("1. Simulated GPU node", "2. Topology", "3. Simulated kubelet",
+             "4. The agent registers with kubelet", "5. Devices as kubelet sees them",
+             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. Clean stop")
+    positions = [out.find(f"== {step}") for step in steps]
+    assert -1 not in positions and positions == sorted(positions), out
+    assert "nvidia.com/gpu  gpu-agent-gpu.sock  1              yes" in out  # registered
+    assert out.count("Healthy") == 8
+    picked = re.search(r"preferred: GPUs ([\d, ]+) \(NUMA (\d)\); kubelet allocated: GPUs "
+                       r"([\d, ]+)\n", out)
+    assert picked and picked.group(1) == picked.group(3) and len(picked.group(1).split(",")) == 4
+    assert "env NVIDIA_VISIBLE_DEVICES  GPU-" in out and "CDI device" in out
     assert "XidCriticalError  79" in out
+    assert re.search(r"nvidia.com/gpu  2 +open +8 +GPUs " + picked.group(1), out), out
+    assert "gpu-agent: SIGTERM → exit 0; its socket removed: yes" in out
     assert "simulated kubelet stopped (exit 0)" in out
     if profile == "dgx1-v100":
         assert DGX1V_ROW3 in out  # the hybrid cube-mesh, as nvidia-smi topo -m shows it
+        # the pod's 4 GPUs share NUMA node 0, fully joined by NVLink
+        assert picked.group(1) == "0, 1, 2, 3"
+        assert "    GPU3  NV2   NV1   NV2   X\n" in out
     if profile == "dgx-h100":
-        assert out.count("NV18") == 8 * 7
+        assert out.count("NV18") == 8 * 7 + 4 * 3  # the node, then the pod's 4 GPUs

@@ -28,7 +28,8 @@ from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
 log = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "gpu-agent-"
-# A ListAndWatch stream wakes at least this often to notice that its server is stopping.
+# A ListAndWatch stream wakes at least this often to notice that kubelet went away (stop()
+# wakes it at once).
 STREAM_POLL_S = 0.2
 REGISTER_TIMEOUT_S = 5.0
 WORKERS = 16
@@ -88,7 +89,8 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         try:
             yield list_response(snapshot)
             while context.is_active() and not plugin.stopping:
-                current = manager.wait_for_change(snapshot.version, STREAM_POLL_S)
+                current = manager.wait_for_change(snapshot.version, STREAM_POLL_S,
+                                                  lambda: plugin.stopping)
                 if current.closed:
                     return
                 if current.version != snapshot.version:
@@ -215,6 +217,7 @@ class PluginServer:
     def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams end) and remove our socket if it is still ours."""
         self.stopping = True
+        self.manager.wake()
         server, self._server = self._server, None
         if server is None:
             return

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 from agent.rm.allocate import (
     ContainerResponse,
@@ -84,12 +85,19 @@ class ResourceManager:
         with self._cond:
             return sum(1 for ok, _ in self._health.values() if ok)
 
-    def wait_for_change(self, version: int, timeout: float) -> Snapshot:
+    def wait_for_change(self, version: int, timeout: float,
+                        interrupted: Callable[[], bool] = lambda: False) -> Snapshot:
         """The snapshot once its version differs from `version` or the manager closes, or the
-        current one after `timeout` s."""
+        current one after `timeout` s or once `interrupted()` holds after a `wake()`."""
         with self._cond:
-            self._cond.wait_for(lambda: self._version != version or self._closed, timeout)
+            self._cond.wait_for(lambda: self._version != version or self._closed
+                                or interrupted(), timeout)
         return self.snapshot()
+
+    def wake(self) -> None:
+        """Make every waiter re-check its `interrupted` (a server stopping its streams)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def set_health(self, device_id: str, healthy: bool, reason: str = "") -> bool:
         """Record a device's health; True (and a new version) when it changed."""
