@@ -70,6 +70,16 @@ def test_kubelet_starting_after_the_agent_gets_a_registration():
         assert agent.stop() == 0
 
 
+def test_empty_kubelet_socket_means_discover_but_do_not_serve(node):
+    agent = node.agent("--kubelet-socket=", kubelet=False)
+    agent.wait_log("kubelet socket is empty (do not connect to kubelet): not serving")
+    assert read_status(node.state)["summary"] == \
+        f"{GPU}: 8/8 healthy, not serving (no kubelet socket)"
+    assert node.client.state().resource(GPU) is None
+    assert not os.path.lexists(node.plugin_socket)
+    assert agent.stop() == 0
+
+
 # -- SIGHUP -------------------------------------------------------------------------------------
 
 
