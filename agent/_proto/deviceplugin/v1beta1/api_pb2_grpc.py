@@ -5,7 +5,7 @@ import warnings
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as agent_dot___proto_dot_deviceplugin_dot_v1beta1_dot_api__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RegistrationStub:
+class RegistrationStub(object):
     """Registration is served by kubelet on DevicePluginPath + KubeletSocket. A device plugin
     calls Register once its own DevicePlugin service is serving; kubelet dials it back before
     it answers, so a plugin that is not yet listening fails to register.
@@ -44,7 +44,7 @@ class RegistrationStub:
                 _registered_method=True)
 
 
-class RegistrationServicer:
+class RegistrationServicer(object):
     """Registration is served by kubelet on DevicePluginPath + KubeletSocket. A device plugin
     calls Register once its own DevicePlugin service is serving; kubelet dials it back before
     it answers, so a plugin that is not yet listening fails to register.
@@ -72,7 +72,7 @@ def add_RegistrationServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Registration:
+class Registration(object):
     """Registration is served by kubelet on DevicePluginPath + KubeletSocket. A device plugin
     calls Register once its own DevicePlugin service is serving; kubelet dials it back before
     it answers, so a plugin that is not yet listening fails to register.
@@ -106,7 +106,7 @@ class Registration:
             _registered_method=True)
 
 
-class DevicePluginStub:
+class DevicePluginStub(object):
     """DevicePlugin is served by each device plugin on DevicePluginPath + endpoint.
     """
 
@@ -143,7 +143,7 @@ class DevicePluginStub:
                 _registered_method=True)
 
 
-class DevicePluginServicer:
+class DevicePluginServicer(object):
     """DevicePlugin is served by each device plugin on DevicePluginPath + endpoint.
     """
 
@@ -219,7 +219,7 @@ def add_DevicePluginServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class DevicePlugin:
+class DevicePlugin(object):
     """DevicePlugin is served by each device plugin on DevicePluginPath + endpoint.
     """
 

@@ -5,7 +5,7 @@ import warnings
 
 from agent._proto.podresources.v1 import api_pb2 as agent_dot___proto_dot_podresources_dot_v1_dot_api__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class PodResourcesListerStub:
+class PodResourcesListerStub(object):
     """Served by kubelet on /var/lib/kubelet/pod-resources/kubelet.sock.
     """
 
@@ -52,7 +52,7 @@ class PodResourcesListerStub:
                 _registered_method=True)
 
 
-class PodResourcesListerServicer:
+class PodResourcesListerServicer(object):
     """Served by kubelet on /var/lib/kubelet/pod-resources/kubelet.sock.
     """
 
@@ -100,7 +100,7 @@ def add_PodResourcesListerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class PodResourcesLister:
+class PodResourcesLister(object):
     """Served by kubelet on /var/lib/kubelet/pod-resources/kubelet.sock.
     """
 

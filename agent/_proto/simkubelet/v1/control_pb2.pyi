@@ -30,7 +30,7 @@ class DeviceState(_message.Message):
     health: str
     numa_nodes: _containers.RepeatedScalarFieldContainer[int]
     allocated: bool
-    def __init__(self, id: _Optional[str] = ..., health: _Optional[str] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., allocated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., health: _Optional[str] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., allocated: bool = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("resource_name", "seq", "received", "devices", "capacity", "allocatable", "registration")
@@ -80,7 +80,7 @@ class ResourceState(_message.Message):
     stream_end_reason: str
     allocated: int
     latest_snapshot: Snapshot
-    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: _Optional[bool] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., snapshot_seq: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., last_snapshot: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ..., latest_snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
+    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: bool = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., snapshot_seq: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., last_snapshot: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ..., latest_snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("dir", "kubelet_socket", "podresources_socket", "control_socket", "restarts", "resources", "pods", "last_event_seq", "started", "registration_failures")
@@ -213,7 +213,7 @@ class ResourceAllocation(_message.Message):
     preferred_called: bool
     preferred_device_ids: _containers.RepeatedScalarFieldContainer[str]
     pre_start_called: bool
-    def __init__(self, resource_name: _Optional[str] = ..., device_ids: _Optional[_Iterable[str]] = ..., allocate_response: _Optional[_Union[_api_pb2.AllocateResponse, _Mapping]] = ..., preferred_called: _Optional[bool] = ..., preferred_device_ids: _Optional[_Iterable[str]] = ..., pre_start_called: _Optional[bool] = ...) -> None: ...
+    def __init__(self, resource_name: _Optional[str] = ..., device_ids: _Optional[_Iterable[str]] = ..., allocate_response: _Optional[_Union[_api_pb2.AllocateResponse, _Mapping]] = ..., preferred_called: bool = ..., preferred_device_ids: _Optional[_Iterable[str]] = ..., pre_start_called: bool = ...) -> None: ...
 
 class ContainerAllocation(_message.Message):
     __slots__ = ("name", "resources")

@@ -5,7 +5,7 @@ import warnings
 
 from agent._proto.simkubelet.v1 import control_pb2 as agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SimKubeletControlStub:
+class SimKubeletControlStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class SimKubeletControlStub:
                 _registered_method=True)
 
 
-class SimKubeletControlServicer:
+class SimKubeletControlServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def GetState(self, request, context):
@@ -154,7 +154,7 @@ def add_SimKubeletControlServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class SimKubeletControl:
+class SimKubeletControl(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
