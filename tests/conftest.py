@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pynvml
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +61,38 @@ def sim_env(sim_control: Path, monkeypatch: pytest.MonkeyPatch):
         return dict(os.environ)
 
     return use
+
+
+def drain_nvml() -> None:
+    """Release every outstanding nvmlInit in this process, so the next init (re)reads the
+    simulator's environment (profile, faults)."""
+    for _ in range(1000):
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError_Uninitialized:
+            return
+
+
+@pytest.fixture
+def node(sim_env, monkeypatch: pytest.MonkeyPatch):
+    """start(profile, faults=None) -> env: (re)initialise the in-process simulated NVML.
+
+    Initialises through pynvml itself, so tests can name the pynvml error they expect.
+    """
+    from agent.nvml import library
+    from agent.sim import lib_path
+
+    def start(profile: str = "dgx1-v100", faults: str | None = None) -> dict:
+        env = sim_env(profile)
+        if faults is None:
+            monkeypatch.delenv("GPU_AGENT_SIM_FAULTS", raising=False)
+        else:
+            monkeypatch.setenv("GPU_AGENT_SIM_FAULTS", faults)
+            env["GPU_AGENT_SIM_FAULTS"] = faults
+        drain_nvml()
+        library.load(str(lib_path()))
+        pynvml.nvmlInit()
+        return env
+
+    yield start
+    drain_nvml()

@@ -20,42 +20,17 @@ import pynvml
 import pytest
 
 from agent.errors import SimError
-from agent.nvml import library
-from agent.sim import control, lib_path
+from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.conftest import ROOT, run_gpu_agent
+from tests.conftest import ROOT, drain_nvml, run_gpu_agent
 
 XID = pynvml.nvmlEventTypeXidCriticalError
 NONE_ID = 0xFFFFFFFF
 LONG_MS = 20000  # a wait that must be woken by the event, long before this
 
 
-def drain_nvml() -> None:
-    for _ in range(1000):
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError_Uninitialized:
-            return
 
 
-@pytest.fixture
-def node(sim_env, monkeypatch):
-    """start(profile, faults=None) -> env: (re)initialise the in-process simulated NVML."""
-
-    def start(profile: str = "dgx1-v100", faults: str | None = None) -> dict:
-        env = sim_env(profile)
-        if faults is None:
-            monkeypatch.delenv("GPU_AGENT_SIM_FAULTS", raising=False)
-        else:
-            monkeypatch.setenv("GPU_AGENT_SIM_FAULTS", faults)
-            env["GPU_AGENT_SIM_FAULTS"] = faults
-        drain_nvml()
-        library.load(str(lib_path()))
-        pynvml.nvmlInit()  # pynvml's own errors, so tests can name the code they expect
-        return env
-
-    yield start
-    drain_nvml()
 
 
 class Waiter(threading.Thread):

@@ -23,39 +23,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.errors import SimError
-from agent.nvml import library
 from agent.sim import lib_path, profile_names
 from agent.sim.profile import format_cpulist, load_profile, nvml_view, parse_profile_text
-from tests.conftest import ROOT, run_gpu_agent
+from tests.conftest import ROOT, drain_nvml, run_gpu_agent
 
 PROFILES_DIR = ROOT / "agent" / "sim" / "profiles"
 LEVEL = {"X": 0, "PIX": 10, "PXB": 20, "PHB": 30, "NODE": 40, "SYS": 50}
 
 
-def drain_nvml() -> None:
-    """Release every outstanding nvmlInit so the next init (re)reads the environment."""
-    for _ in range(1000):
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError_Uninitialized:
-            return
 
 
-@pytest.fixture
-def node(sim_env, monkeypatch):
-    """start(profile, faults=None): (re)initialise the in-process simulated NVML."""
-
-    def start(profile: str = "dgx1-v100", faults: str | None = None) -> None:
-        sim_env(profile)
-        if faults is None:
-            monkeypatch.delenv("GPU_AGENT_SIM_FAULTS", raising=False)
-        else:
-            monkeypatch.setenv("GPU_AGENT_SIM_FAULTS", faults)
-        drain_nvml()
-        library.init(str(lib_path()))
-
-    yield start
-    drain_nvml()
 
 
 def cpus_of(text: str) -> set[int]:

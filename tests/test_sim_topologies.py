@@ -22,19 +22,13 @@ from hypothesis import strategies as st
 from agent.nvml import library
 from agent.sim import lib_path
 from agent.sim.profile import dump_profile, load_profile, profile_from_topo
-from tests.conftest import DATA, run_gpu_agent
+from tests.conftest import DATA, drain_nvml, run_gpu_agent
 
 TOPOLOGIES = sorted((DATA / "topologies").glob("*.txt"))
 LEVEL_NAMES = {10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 TRAILING = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 
 
-def drain_nvml() -> None:
-    for _ in range(1000):
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError_Uninitialized:
-            return
 
 
 def expected(path: Path) -> tuple[list[list[str]], list[int | None]]:
