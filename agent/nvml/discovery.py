@@ -90,31 +90,46 @@ def _numa_node(handle, bus_id: str, sys_root: Path) -> int | None:
     return (word & -word).bit_length() - 1 if word else None
 
 
+def _read_gpu(index: int, sys_root: Path) -> Gpu:
+    handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+    pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
+    bus_id = _text(pci.busId)
+    try:
+        current, _pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
+        mig = current == pynvml.NVML_DEVICE_MIG_ENABLE
+    except NvmlError as exc:
+        if not exc.is_not_supported:
+            raise
+        mig = False
+    return Gpu(
+        index=index,
+        uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
+        name=_text(_call(pynvml.nvmlDeviceGetName, handle)),
+        minor=_call(pynvml.nvmlDeviceGetMinorNumber, handle),
+        pci_bus_id=bus_id,
+        numa_node=_numa_node(handle, bus_id, sys_root),
+        memory_total=int(_call(pynvml.nvmlDeviceGetMemoryInfo, handle).total),
+        compute_capability=tuple(_call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)),
+        mig_enabled=mig,
+    )
+
+
 def discover(sys_root: str = "/sys") -> list[Gpu]:
-    """Every physical GPU NVML reports, by index. NVML must be initialised."""
+    """Every physical GPU NVML reports, by index. NVML must be initialised.
+
+    A GPU that NVML reports lost (fallen off the bus) cannot be identified, so it is left out
+    with a warning and the others are still returned: one broken GPU must not take the node's
+    healthy GPUs away from kubelet. Any other NVML failure raises NvmlError.
+    """
     gpus = []
     for index in range(_call(pynvml.nvmlDeviceGetCount)):
-        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-        pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
-        bus_id = _text(pci.busId)
         try:
-            current, _pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
-            mig = current == pynvml.NVML_DEVICE_MIG_ENABLE
+            gpus.append(_read_gpu(index, Path(sys_root)))
         except NvmlError as exc:
-            if not exc.is_not_supported:
+            if not exc.is_gpu_lost:
                 raise
-            mig = False
-        gpus.append(Gpu(
-            index=index,
-            uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
-            name=_text(_call(pynvml.nvmlDeviceGetName, handle)),
-            minor=_call(pynvml.nvmlDeviceGetMinorNumber, handle),
-            pci_bus_id=bus_id,
-            numa_node=_numa_node(handle, bus_id, Path(sys_root)),
-            memory_total=int(_call(pynvml.nvmlDeviceGetMemoryInfo, handle).total),
-            compute_capability=tuple(_call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)),
-            mig_enabled=mig,
-        ))
+            log.warning("GPU index %d is lost (%s): left out until the agent restarts or "
+                        "reloads; check `nvidia-smi` and the kernel log for an XID", index, exc)
     return gpus
 
 
