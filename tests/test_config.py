@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DATA, run_gpu_agent
+from conftest import DATA, gpu_agent_cmd, run_gpu_agent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -427,12 +429,18 @@ def test_a_file_that_is_not_text_is_refused(tmp_path):
         load_config({"config_file": str(path)}, {})
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_a_file_without_read_permission_is_refused(tmp_path):
-    path = Path(write(tmp_path, v1()))
-    path.chmod(0)
-    with pytest.raises(ConfigError, match=r"cannot read the config file: Permission denied"):
-        load_config({"config_file": str(path)}, {})
+def test_a_file_without_read_permission_is_refused():
+    """Root reads any file, so as root the check runs as user nobody (setpriv), in a
+    directory anyone may enter: only the file's own mode stands in the way."""
+    with tempfile.TemporaryDirectory(prefix="gacfg") as tmp:
+        os.chmod(tmp, 0o755)
+        path = Path(write(Path(tmp), v1()))
+        path.chmod(0)
+        drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        cmd = (drop if os.geteuid() == 0 else []) + gpu_agent_cmd("config", "check", str(path))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"{path}: cannot read the config file: Permission denied" in proc.stderr
 
 
 _TS = {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}
