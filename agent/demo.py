@@ -189,6 +189,7 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
             victim = gpus[min(3, len(gpus) - 1)]
             print(f"  registered XidCriticalError on {len(gpus)} GPUs; injecting: "
                   f"gpu-agent sim inject-xid --gpu {victim.index} --xid 79")
+            control.check_gpu(victim.index)  # validate first: time the delivery only
             t0 = time.perf_counter()
             control.inject_xid(str(ctl), victim.index, 79)
             ev = es.wait(2000)
