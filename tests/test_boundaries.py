@@ -21,7 +21,7 @@ RANK = {
     "rm": 3, "health": 3, "state": 3,
     "nvml": 4,
     "_fast": 5,
-    "config": 6, "_proto": 6, "errors": 7,
+    "config": 6, "_proto": 6, "host": 6, "errors": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -30,6 +30,7 @@ FORBIDDEN = {
     "errors": set(RANK) - {"errors"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors"},
+    "host": set(RANK) - {"host", "errors"},
 }
 # Only these parts may import grpc.
 GRPC_PARTS = {"kubelet", "daemon", "sim", "_proto", "demo", "__main__"}
