@@ -4,8 +4,9 @@ agent.nvml.library.init() first (pynvml bound and initialised), then an EventSet
 Events are injected by `gpu-agent sim` in a child process, through the simulator's control channel.
 
 Covers delivery of an injected XID with the GPU's index and UUID, timeouts, registration masks,
-events of unregistered GPUs, GPU/compute instance ids, a lost GPU, a GPU without events, the GIL
-being released during wait(), and close().
+events of unregistered GPUs, GPU/compute instance ids, a lost GPU, a GPU without events, the
+filter (ignored XIDs dropped and counted, single-bit ECC counted, a storm still ending at the
+timeout), the GIL being released during wait(), and close().
 """
 
 from __future__ import annotations
@@ -231,14 +232,79 @@ def test_lost_gpu_raises_from_wait(events, node, open_set):
     assert info.value.is_gpu_lost
 
 
-def test_ecc_event_types_pass_through(events, node, open_set):
+def test_double_bit_ecc_is_delivered_and_single_bit_counted_not_returned(events, node, open_set):
     es = open_set()
     assert es.register(GPU, DBE | SBE) == DBE | SBE  # not XID: an XID must not come through
     node.inject_xid(GPU, 79)
+    node.sim("ecc", "--gpu", str(GPU), "--single-bit")
     node.sim("ecc", "--gpu", str(GPU), "--double-bit")
     node.sim("ecc", "--gpu", str(GPU), "--single-bit")
-    got = [es.wait(WAIT_MS) for _ in range(2)]
-    assert [(e.index, e.event_type, e.xid) for e in got] == [(GPU, DBE, 0), (GPU, SBE, 0)]
+    got = es.wait(WAIT_MS)
+    assert (got.index, got.event_type, got.xid) == (GPU, DBE, 0)
+    assert es.wait(300) is None, "the single-bit errors are counted, never returned"
+    assert es.counters == {"ignored": 0, "sbe": 2, "delivered": 1}
+
+
+def test_ignored_xids_are_dropped_in_the_filter_and_counted(events, node, open_set):
+    es = open_set()
+    es.register(GPU, XID)
+    es.set_ignored_xids([13, 31, 1023])
+    assert es.ignored_xids == (13, 31, 1023)
+    for xid in (13, 31, 1023, 13, 79, 31):
+        node.inject_xid(GPU, xid)
+    event = es.wait(WAIT_MS)
+    assert (event.index, event.xid) == (GPU, 79)  # the three before it never came back
+    assert es.wait(300) is None
+    assert es.counters == {"ignored": 5, "sbe": 0, "delivered": 1}
+
+
+def test_event_naming_no_gpu_is_filtered_by_its_xid_too(events, node, open_set):
+    es = open_set()
+    es.register(GPU, XID)
+    es.set_ignored_xids([43])
+    node.inject_xid("none", 43)
+    node.inject_xid("none", 48)
+    event = es.wait(WAIT_MS)
+    assert (event.index, event.uuid, event.xid) == (None, None, 48)
+    assert es.counters["ignored"] == 1
+
+
+def test_filter_is_replaced_not_merged_and_xids_beyond_it_always_come_back(events, node, open_set):
+    es = open_set()
+    es.register(GPU, XID)
+    es.set_ignored_xids([13])
+    es.set_ignored_xids([31])
+    assert es.ignored_xids == (31,)
+    node.inject_xid(GPU, 13)
+    node.inject_xid(GPU, 5000)  # beyond the bitmap: the caller's policy decides
+    assert [es.wait(WAIT_MS).xid for _ in range(2)] == [13, 5000]
+    es.set_ignored_xids([])
+    assert es.ignored_xids == ()
+
+
+@pytest.mark.parametrize("bad, error", [
+    ([1024], ValueError), ([-1], ValueError), (["13"], TypeError), (13, TypeError)])
+def test_ignored_xids_outside_the_bitmap_are_refused(events, node, open_set, bad, error):
+    es = open_set()
+    es.set_ignored_xids([7])
+    with pytest.raises(error):
+        es.set_ignored_xids(bad)
+    assert es.ignored_xids == (7,), "a refused set leaves the previous one"
+
+
+def test_a_storm_of_ignored_xids_still_returns_within_the_timeout(events, node, open_set):
+    """Ignored events keep arriving, yet wait() gives up at its timeout: the caller gets to
+    check its stop flag. (No timing asserted: the wait must simply end, with None.)"""
+    from agent.sim import control
+    es = open_set()
+    es.register(GPU, XID)
+    es.set_ignored_xids([13])
+    control.inject_xids(str(node.control), [(GPU, 13)] * 2000)
+    assert es.wait(50) is None
+    assert 0 < es.counters["ignored"] <= 2000
+    while es.wait(200) is not None:
+        pass
+    assert es.counters == {"ignored": 2000, "sbe": 0, "delivered": 0}
 
 
 def _until_waiting(es) -> None:

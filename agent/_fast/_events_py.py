@@ -1,7 +1,8 @@
 """Pure-Python twin of agent._fast.events: the NVML event set, through unmodified pynvml.
 
 Owns: the same API and the same answers as events.pyx for hosts without the compiled
-extension. The library at `library_path` is loaded with ctypes (RTLD_GLOBAL) before pynvml
+extension, the ignored-XID / single-bit-ECC filter and its counters included (here in Python,
+between pynvml waits, with the same timeout accounting). The library at `library_path` is loaded with ctypes (RTLD_GLOBAL) before pynvml
 initialises, so pynvml's CDLL("libnvidia-ml.so.1") binds to that copy by SONAME; ctypes
 releases the GIL during every foreign call, nvmlEventSetWait_v2 included. Every NVML error
 becomes an exception in `_call`, through agent.errors.nvml_error.
@@ -15,15 +16,20 @@ import ctypes
 import logging
 import os
 import threading
+import time
 
 import pynvml
 
 from agent._fast._types import (
+    COUNTERS,
+    EVENT_SINGLE_BIT_ECC,
+    EVENT_XID_CRITICAL,
     MAX_WAIT_MS,
     Event,
     cannot_open,
     check_event_mask,
     check_gpu_index,
+    check_ignored_xids,
     check_timeout,
     closed_set,
     missing_symbol,
@@ -81,6 +87,8 @@ class EventSet:
         self._initialised = False
         self._closed = False
         self._waiting = False
+        self._ignored: frozenset[int] = frozenset()
+        self._counts = dict.fromkeys(COUNTERS, 0)
         path = os.fspath(library_path)
         self._library_path = os.fsdecode(path) if isinstance(path, bytes) else path
         try:
@@ -162,8 +170,43 @@ class EventSet:
                   device, wanted, self._set)
         return wanted
 
+    def set_ignored_xids(self, xids) -> None:
+        """Drop XidCriticalError events with these XIDs (each in 0..1023) from now on,
+        counting them in counters["ignored"]; replaces the previous set (empty: drop none)."""
+        self._ignored = frozenset(check_ignored_xids(xids))
+
+    @property
+    def ignored_xids(self) -> tuple[int, ...]:
+        """The XIDs dropped by the filter, sorted."""
+        return tuple(sorted(self._ignored))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Events seen by wait() since the set was opened: {"ignored": XIDs dropped by the
+        filter, "sbe": single-bit ECC events counted and dropped, "delivered": returned}."""
+        return dict(self._counts)
+
+    def _filtered_wait(self, timeout: int):
+        """pynvml waits until an event passes the filter (its data), or `timeout` ms have gone
+        by in all (NvmlError TIMEOUT); the same accounting as the compiled _filtered_wait."""
+        start = time.monotonic_ns() // 1_000_000
+        left = timeout
+        counts = self._counts
+        while True:
+            data = _call("nvmlEventSetWait_v2", pynvml.nvmlEventSetWait_v2, self._set, left)
+            if data.eventType == EVENT_SINGLE_BIT_ECC:
+                counts["sbe"] += 1
+            elif data.eventType == EVENT_XID_CRITICAL and data.eventData in self._ignored:
+                counts["ignored"] += 1
+            else:
+                counts["delivered"] += 1
+                return data
+            elapsed = time.monotonic_ns() // 1_000_000 - start
+            left = timeout - elapsed if elapsed < timeout else 0
+
     def wait(self, timeout_ms: int) -> Event | None:
-        """Wait up to min(timeout_ms, MAX_WAIT_MS) for the next event, with the GIL released.
+        """Wait up to min(timeout_ms, MAX_WAIT_MS) for the next event that passes the filter,
+        with the GIL released during each NVML wait.
 
         None on NVML_ERROR_TIMEOUT; NvmlError on any other failure (GPU_IS_LOST, ...).
         The caller loops, checking its stop flag between waits.
@@ -177,8 +220,7 @@ class EventSet:
             self._waiting = True
         try:  # still "waiting" while the handle is resolved: close() must not shut NVML yet
             try:
-                data = _call("nvmlEventSetWait_v2", pynvml.nvmlEventSetWait_v2,
-                             self._set, c_timeout)
+                data = self._filtered_wait(c_timeout)
             except NvmlError as exc:
                 if exc.is_timeout:
                     return None

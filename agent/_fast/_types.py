@@ -39,6 +39,11 @@ MAX_LEVEL = 2**31 - 1
 UUID_BUFFER_SIZE = 96
 # gpuInstanceId / computeInstanceId of an event on a GPU that is not a MIG instance.
 NO_INSTANCE = 0xFFFFFFFF
+# The ignored-XID filter is a bitmap of this many bits (XIDs 0..1023); an XID beyond it always
+# reaches the caller, whose policy decides (NVIDIA's catalog stops well below it).
+XID_FILTER_SIZE = 1024
+# The names of EventSet.counters, in order.
+COUNTERS = ("ignored", "sbe", "delivered")
 
 
 class Event(NamedTuple):
@@ -83,6 +88,19 @@ def check_timeout(timeout_ms: object) -> int:
     if value < 0:
         raise ValueError(f"timeout_ms must be >= 0, got {value}")
     return min(value, MAX_WAIT_MS)
+
+
+def check_ignored_xids(xids: object) -> tuple[int, ...]:
+    """`xids` (an iterable of ints) as a sorted tuple of distinct XIDs in [0, XID_FILTER_SIZE);
+    TypeError / ValueError otherwise."""
+    out = set()
+    for xid in xids:  # TypeError for a non-iterable, as both implementations word it
+        value = operator.index(xid)
+        if not 0 <= value < XID_FILTER_SIZE:
+            raise ValueError(f"ignored XID {value} is outside the filter's 0..{XID_FILTER_SIZE - 1}; "
+                             f"the caller's policy must handle it")
+        out.add(value)
+    return tuple(sorted(out))
 
 
 def check_level(value: object, i: int, j: int) -> int:

@@ -2,8 +2,12 @@
 
 Owns: opening the NVML library with dlopen (no link-time dependency on the driver), one
 nvmlInit_v2 / nvmlShutdown pair and one NVML event set per `EventSet`, registering GPUs on it,
-and bounded waits (<= MAX_WAIT_MS) that release the GIL around nvmlEventSetWait_v2 only. Every
-NVML return code becomes an exception in `_check`, through agent.errors.nvml_error.
+and bounded waits (<= MAX_WAIT_MS) that release the GIL around nvmlEventSetWait_v2 only. The
+filter runs in C inside that same GIL-free stretch: XidCriticalError events whose XID is in
+the ignored bitmap (`set_ignored_xids`, XIDs 0..1023) and every SingleBitEccError are counted
+and dropped, and the wait goes on for what is left of its timeout; only the other events come
+back to Python (`counters` says how many went each way). Every NVML return code becomes an
+exception in `_check`, through agent.errors.nvml_error.
 Must not: decide what an event means (the health code does), loop forever, import anything of
 `agent` but `errors` and the sibling `_types`. Answers must equal the twin's.
 
@@ -14,17 +18,24 @@ process share one copy of the library (dlopen answers an already loaded path wit
 import logging
 import os
 
+from libc.stdint cimport uint64_t
 from libc.string cimport memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.dlfcn cimport RTLD_GLOBAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 
 from agent._fast.nvml cimport *
 
 from agent._fast._types import (
+    COUNTERS,
+    EVENT_SINGLE_BIT_ECC,
+    EVENT_XID_CRITICAL,
     MAX_WAIT_MS,
+    XID_FILTER_SIZE,
     Event,
     cannot_open,
     check_event_mask,
     check_gpu_index,
+    check_ignored_xids,
     check_timeout,
     closed_set,
     missing_symbol,
@@ -35,6 +46,20 @@ from agent.errors import nvml_error
 __all__ = ["MAX_WAIT_MS", "Event", "EventSet"]
 
 log = logging.getLogger(__name__)
+
+# The bitmap's shape: 64-bit words covering XIDs 0..XID_FILTER_SIZE-1.
+cdef enum:
+    _XID_WORDS = 16
+    _XID_BITS = _XID_WORDS * 64
+assert _XID_BITS == XID_FILTER_SIZE
+cdef unsigned long long _SBE = EVENT_SINGLE_BIT_ECC
+cdef unsigned long long _XID = EVENT_XID_CRITICAL
+
+
+cdef inline long long _now_ms() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
 
 
 cdef int _check(nvmlReturn_t ret, str function) except -1:
@@ -96,9 +121,15 @@ cdef class EventSet:
     cdef bint _initialised
     cdef bint _closed
     cdef bint _waiting
+    cdef uint64_t _ignored[_XID_WORDS]
+    cdef unsigned long long _n_ignored
+    cdef unsigned long long _n_sbe
+    cdef unsigned long long _n_delivered
     cdef readonly str library_path
 
     def __cinit__(self, *args, **kwargs):
+        memset(self._ignored, 0, sizeof(self._ignored))
+        self._n_ignored = self._n_sbe = self._n_delivered = 0
         self._lib = NULL
         self._set = NULL
         self._initialised = False
@@ -192,10 +223,59 @@ cdef class EventSet:
                    "nvmlDeviceRegisterEvents")
         return wanted
 
+    def set_ignored_xids(self, xids):
+        """Drop XidCriticalError events with these XIDs (each in 0..1023) in C from now on,
+        counting them in counters["ignored"]; replaces the previous set (empty: drop none)."""
+        cdef uint64_t words[_XID_WORDS]
+        cdef int i
+        memset(words, 0, sizeof(words))
+        for xid in check_ignored_xids(xids):
+            words[xid >> 6] |= (<uint64_t>1) << (xid & 63)
+        for i in range(_XID_WORDS):  # word by word: a waiter sees each word old or new
+            self._ignored[i] = words[i]
+
+    @property
+    def ignored_xids(self):
+        """The XIDs dropped in C, sorted."""
+        return tuple(x for x in range(XID_FILTER_SIZE)
+                     if self._ignored[x >> 6] & ((<uint64_t>1) << (x & 63)))
+
+    @property
+    def counters(self):
+        """Events seen by wait() since the set was opened: {"ignored": XIDs dropped by the
+        filter, "sbe": single-bit ECC events counted and dropped, "delivered": returned}."""
+        return dict(zip(COUNTERS, (self._n_ignored, self._n_sbe, self._n_delivered)))
+
+    cdef nvmlReturn_t _filtered_wait(self, nvmlEventData_t* data,
+                                     unsigned int timeout) noexcept nogil:
+        """nvmlEventSetWait_v2 until an event passes the filter, an error, or `timeout` ms
+        have gone by in all (then TIMEOUT). Runs without the GIL."""
+        cdef long long start = _now_ms()
+        cdef long long elapsed
+        cdef unsigned int left = timeout
+        cdef nvmlReturn_t ret
+        cdef unsigned long long xid
+        while True:
+            memset(data, 0, sizeof(nvmlEventData_t))
+            ret = self._api.event_set_wait(self._set, data, left)
+            if ret != NVML_SUCCESS:
+                return ret
+            xid = data.eventData
+            if data.eventType == _SBE:
+                self._n_sbe += 1
+            elif (data.eventType == _XID and xid < _XID_BITS
+                  and self._ignored[xid >> 6] & ((<uint64_t>1) << (xid & 63))):
+                self._n_ignored += 1
+            else:
+                self._n_delivered += 1
+                return NVML_SUCCESS
+            elapsed = _now_ms() - start
+            left = <unsigned int>(timeout - elapsed) if elapsed < timeout else 0
+
     def wait(self, timeout_ms):
-        """Wait up to min(timeout_ms, MAX_WAIT_MS) for the next event, with the GIL released.
-        None on NVML_ERROR_TIMEOUT; NvmlError on any other failure (GPU_IS_LOST, ...).
-        The caller loops, checking its stop flag between waits.
+        """Wait up to min(timeout_ms, MAX_WAIT_MS) for the next event that passes the filter,
+        with the GIL released. None on NVML_ERROR_TIMEOUT; NvmlError on any other failure
+        (GPU_IS_LOST, ...). The caller loops, checking its stop flag between waits.
         """
         cdef unsigned int c_timeout = check_timeout(timeout_ms)
         cdef nvmlEventData_t data
@@ -208,9 +288,8 @@ cdef class EventSet:
             raise wait_in_progress("wait()")
         self._waiting = True
         try:  # still "waiting" while the handle is resolved: close() must not unload NVML yet
-            memset(&data, 0, sizeof(data))
             with nogil:
-                ret = self._api.event_set_wait(self._set, &data, c_timeout)
+                ret = self._filtered_wait(&data, c_timeout)
             if ret == NVML_ERROR_TIMEOUT:
                 return None
             _check(ret, "nvmlEventSetWait_v2")
