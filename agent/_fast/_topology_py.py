@@ -1,15 +1,26 @@
-"""Pure-Python twin of agent._fast.topology: GPU groups by common-ancestor level, as bitmasks.
+"""Pure-Python twin of agent._fast.topology: GPU groups by common-ancestor level, and the
+exact search for the highest-scoring set of k GPUs, as bitmasks.
 
 Owns: the same API and the same answers as topology.pyx, for hosts without the compiled
-extension (and as the reference the tests compare the compiled module against). Groups are
-ints used as bitmasks, bit i = GPU index i, at most MAX_GPUS GPUs. Must not import anything of
-`agent` but `errors` and its sibling `_types`; no NVML calls (the caller passes the levels).
+extension (and as the reference the tests compare the compiled module against). Groups and
+sets are ints used as bitmasks, bit i = GPU i, at most MAX_GPUS GPUs. The search is the same
+algorithm as the compiled one, step for step (same order, bounds, node budget), so even a
+search cut by the budget answers the same. Must not import anything of `agent` but `errors`
+and its siblings `_types` / `_topology_checks`; no NVML calls (the caller passes the levels or
+scores).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agent._fast._topology_checks import (
+    NODE_BUDGET,
+    UNKNOWN_NUMA_WEIGHT,
+    check_mask,
+    check_request,
+    check_scores,
+)
 from agent._fast._types import (
     MAX_GPUS,
     check_level,
@@ -19,7 +30,7 @@ from agent._fast._types import (
     too_many_gpus,
 )
 
-__all__ = ["build_tree", "groups_at_level"]
+__all__ = ["PairScores", "build_tree", "groups_at_level"]
 
 
 def _convert(levels: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -86,3 +97,195 @@ def build_tree(levels: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
     matrix = _convert(levels)
     distinct = sorted({value for row in matrix for value in row})
     return [(level, _groups(matrix, level)) for level in distinct]
+
+
+def _bits(mask: int):
+    """The set bits of mask, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _popcount(mask: int) -> int:
+    return bin(mask).count("1")
+
+
+class PairScores:
+    """A symmetric matrix of pair scores, ready for `search` (see topology.pyx's PairScores).
+
+    Built once per device set; each search is then one call with bitmasks in and out.
+    """
+
+    def __init__(self, scores: Sequence[Sequence[int]], unknown: Sequence[bool] | None = None):
+        matrix, flags = check_scores(scores, unknown)
+        n = len(matrix)
+        self._n = n
+        self._s = matrix
+        self._unknown = flags
+        # Each GPU's peers, strongest first (ties: lower index): the bound's top-(r-1) scan.
+        self._order = [sorted((j for j in range(n) if j != i), key=lambda j, i=i: (-matrix[i][j], j))
+                       for i in range(n)]
+        # Interchangeable GPUs: the same score to every third GPU and the same NUMA flag. The
+        # relation is transitive; twins_after[i] = the later members of i's class.
+        twins = [0] * n
+        for i in range(n):
+            for j in range(i + 1, n):
+                if flags[i] == flags[j] and all(matrix[i][x] == matrix[j][x]
+                                                for x in range(n) if x != i and x != j):
+                    twins[i] |= 1 << j
+        self._twins_after = twins
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    def pair(self, i: int, j: int) -> int:
+        """The score of GPUs i and j (0 for i == j)."""
+        if not (0 <= i < self._n and 0 <= j < self._n):
+            raise IndexError(f"GPU pair ({i}, {j}) outside 0..{self._n - 1}")
+        return self._s[i][j]
+
+    def set_score(self, mask: int) -> int:
+        """Sum of the pair scores of every pair of GPUs in mask."""
+        mask = check_mask(self._n, mask)
+        members = list(_bits(mask))
+        s = self._s
+        return sum(s[a][b] for x, a in enumerate(members) for b in members[x + 1:])
+
+    def best_set(self, available: int, must: int, k: int, policy: str = "best-effort") -> int:
+        """The chosen set of k GPUs as a mask (see `search`)."""
+        return self.search(available, must, k, policy)[0]
+
+    def search(self, available: int, must: int, k: int,
+               policy: str = "best-effort") -> tuple[int, int]:
+        """(mask, nodes): the best k-GPU subset of `available` holding `must`, and how many
+        search nodes it took. Best: the highest set score, then the fewest GPUs of unknown NUMA
+        node, then the smallest sum of link degrees within `available` (the least link weight
+        taken from what stays free), then the lowest GPU indices. `packed` first narrows
+        `available` to the tightest group of the score tree that holds the request."""
+        avail, must, k, packed = check_request(self._n, available, must, k, policy)
+        s, n = self._s, self._n
+        members = list(_bits(avail))
+        w = [0] * n
+        for c in members:
+            w[c] = (UNKNOWN_NUMA_WEIGHT if self._unknown[c] else 0) + sum(s[c][y] for y in members)
+        region = self._packed_region(avail, must, k) if packed else avail
+        gain = [0] * n
+        score_p = w_p = 0
+        for x in _bits(must):
+            score_p += gain[x]
+            w_p += w[x]
+            for c in range(n):
+                gain[c] += s[x][c]
+        st = _State(s, self._order, self._twins_after, w, gain, k)
+        st.dfs(must, k - _popcount(must), score_p, w_p, region & ~must)
+        return st.best_set, st.nodes
+
+    def _packed_region(self, avail: int, must: int, k: int) -> int:
+        """Descend the score tree from `avail`: at each score threshold, ascending, keep the
+        child group (GPUs joined by pair scores >= threshold) that holds `must` and has the
+        fewest GPUs but at least k (ties: lowest GPU); stop when none does."""
+        s = self._s
+        members = list(_bits(avail))
+        values = sorted({s[a][b] for x, a in enumerate(members) for b in members[x + 1:]})
+        node = avail
+        for t in values:
+            best = 0
+            best_count = 0
+            remaining = node
+            while remaining:
+                group = frontier = remaining & -remaining
+                while frontier:
+                    low = frontier & -frontier
+                    frontier ^= low
+                    i = low.bit_length() - 1
+                    new = 0
+                    for j in _bits(node & ~group):
+                        if s[i][j] >= t:
+                            new |= 1 << j
+                    group |= new
+                    frontier |= new
+                remaining &= ~group
+                count = _popcount(group)
+                if group & must == must and count >= k and (best == 0 or count < best_count):
+                    best, best_count = group, count
+            if best == 0:
+                break
+            node = best
+        return node
+
+
+class _State:
+    """One search's mutable state (the compiled module keeps it in a C struct)."""
+
+    def __init__(self, s, order, twins_after, w, gain, k):
+        self.s, self.order, self.twins_after, self.w, self.gain = s, order, twins_after, w, gain
+        self.best_score = -1
+        self.best_w = 0
+        self.best_set = 0
+        self.nodes = 0
+
+    def consider(self, mask: int, score: int, weight: int) -> None:
+        if score > self.best_score or (score == self.best_score and weight < self.best_w):
+            self.best_score, self.best_w, self.best_set = score, weight, mask
+
+    def bound(self, score_p: int, w_p: int, cand: int, r: int) -> tuple[int, int]:
+        """(upper bound of the set score, lower bound of the weight) over completions of r
+        GPUs from cand: each candidate's gain to the chosen set plus half its r-1 strongest
+        links within cand, the r best of those; the r lightest weights."""
+        s, order, gain, w = self.s, self.order, self.gain, self.w
+        tops = []
+        weights = []
+        for c in _bits(cand):
+            t = 2 * gain[c]
+            if r > 1:
+                taken = 0
+                row = s[c]
+                for y in order[c]:
+                    if cand >> y & 1:
+                        t += row[y]
+                        taken += 1
+                        if taken == r - 1:
+                            break
+            tops.append(t)
+            weights.append(w[c])
+        tops.sort(reverse=True)
+        weights.sort()
+        return (2 * score_p + sum(tops[:r])) // 2, w_p + sum(weights[:r])
+
+    def dfs(self, chosen: int, r: int, score_p: int, w_p: int, cand: int) -> None:
+        if r == 0:
+            self.consider(chosen, score_p, w_p)
+            return
+        count = _popcount(cand)
+        if count < r:
+            return
+        s, gain, w = self.s, self.gain, self.w
+        if count == r:  # every candidate: score it directly
+            members = list(_bits(cand))
+            total, weight = score_p, w_p
+            for x, c in enumerate(members):
+                total += gain[c]
+                weight += w[c]
+                for y in members[x + 1:]:
+                    total += s[c][y]
+            self.consider(chosen | cand, total, weight)
+            return
+        if self.nodes >= NODE_BUDGET:
+            return
+        self.nodes += 1
+        ub, min_w = self.bound(score_p, w_p, cand, r)
+        if self.best_score >= 0 and (ub < self.best_score
+                                     or (ub == self.best_score and min_w >= self.best_w)):
+            return
+        low = cand & -cand
+        i = low.bit_length() - 1
+        rest = cand ^ low
+        row = s[i]
+        for c in _bits(rest):
+            gain[c] += row[c]
+        self.dfs(chosen | low, r - 1, score_p + gain[i], w_p + w[i], rest)
+        for c in _bits(rest):
+            gain[c] -= row[c]
+        self.dfs(chosen, r, score_p, w_p, rest & ~self.twins_after[i])

@@ -19,3 +19,7 @@ cdef void adjacency_at(const int* levels, int n, long long threshold,
 # Connected components of `adjacency` over GPUs 0..n-1 into groups[], in order of lowest set
 # bit; returns how many (at most n). groups must hold n entries.
 cdef int join_groups(const uint64_t* adjacency, int n, uint64_t* groups) noexcept nogil
+
+# Count of set bits.
+cdef extern from *:
+    int __builtin_popcountll(unsigned long long x) noexcept nogil

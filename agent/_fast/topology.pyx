@@ -1,14 +1,17 @@
-"""GPU groups by common-ancestor level, on uint64_t bitmasks (compiled; twin: _topology_py.py).
+"""GPU groups by common-ancestor level, and the exact search for the highest-scoring set of k
+GPUs, on uint64_t bitmasks (compiled; twin: _topology_py.py).
 
 Owns: joining GPUs whose NVML topology level is <= a threshold into groups, transitively, and
-the tree of those groups over every level. One conversion in (the Python matrix, validated into
-a C array), the search fully nogil on bitmasks (bit i = GPU index i, at most 64 GPUs), one
-conversion out (ints). Must not call NVML (the caller passes the levels) nor import anything of
-`agent` but `errors` and the sibling `_types`; answers must equal the twin's.
+the tree of those groups over every level; `PairScores`, a pair-score matrix converted once
+into C arrays, and its branch-and-bound search. One conversion in (the Python matrix,
+validated into a C array; per search, three ints), the work fully nogil on bitmasks (bit i =
+GPU index i, at most 64 GPUs), one conversion out (ints). Must not call NVML (the caller passes
+the levels or scores) nor import anything of `agent` but `errors` and the siblings `_types` /
+`_topology_checks`; answers must equal the twin's, step for step.
 """
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from libc.stdint cimport uint64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 
 from agent._fast._types import (
@@ -18,8 +21,15 @@ from agent._fast._types import (
     not_symmetric,
     too_many_gpus,
 )
+from agent._fast._topology_checks import (
+    NODE_BUDGET,
+    UNKNOWN_NUMA_WEIGHT,
+    check_mask,
+    check_request,
+    check_scores,
+)
 
-__all__ = ["build_tree", "groups_at_level"]
+__all__ = ["PairScores", "build_tree", "groups_at_level"]
 
 
 cdef enum:
@@ -182,3 +192,357 @@ def build_tree(levels):
         free(distinct)
         free(counts)
         free(groups)
+
+
+# -- the set search ---------------------------------------------------------------------------
+
+cdef inline int _popcount(uint64_t mask) noexcept nogil:
+    return __builtin_popcountll(mask)
+
+
+cdef inline int _lowest(uint64_t mask) noexcept nogil:
+    return __builtin_ctzll(mask)
+
+
+cdef struct Search:
+    int n
+    const int* s                  # n x n pair scores, row-major
+    const unsigned char* order    # per GPU, its peers strongest first (n - 1 each, row n wide)
+    const uint64_t* twins_after   # per GPU, the later GPUs interchangeable with it
+    int64_t w[TOPOLOGY_MAX_GPUS]     # tie-break weight of each GPU for this search
+    int64_t gain[TOPOLOGY_MAX_GPUS]  # each GPU's score to the chosen set
+    int64_t best_score
+    int64_t best_w
+    uint64_t best_set
+    long long nodes
+    long long budget
+
+
+cdef inline void _consider(Search* st, uint64_t mask, int64_t score, int64_t weight) noexcept nogil:
+    if score > st.best_score or (score == st.best_score and weight < st.best_w):
+        st.best_score = score
+        st.best_w = weight
+        st.best_set = mask
+
+
+cdef void _insert_desc(int64_t* top, int* count, int limit, int64_t value) noexcept nogil:
+    """Keep top[0..count) the `limit` largest values seen, descending."""
+    cdef int pos
+    if count[0] < limit:
+        pos = count[0]
+        count[0] += 1
+    elif value > top[limit - 1]:
+        pos = limit - 1
+    else:
+        return
+    while pos > 0 and top[pos - 1] < value:
+        top[pos] = top[pos - 1]
+        pos -= 1
+    top[pos] = value
+
+
+cdef void _insert_asc(int64_t* low, int* count, int limit, int64_t value) noexcept nogil:
+    """Keep low[0..count) the `limit` smallest values seen, ascending."""
+    cdef int pos
+    if count[0] < limit:
+        pos = count[0]
+        count[0] += 1
+    elif value < low[limit - 1]:
+        pos = limit - 1
+    else:
+        return
+    while pos > 0 and low[pos - 1] > value:
+        low[pos] = low[pos - 1]
+        pos -= 1
+    low[pos] = value
+
+
+cdef void _bound(Search* st, int64_t score_p, int64_t w_p, uint64_t cand, int r,
+                 int64_t* ub, int64_t* min_w) noexcept nogil:
+    """Upper bound of the set score and lower bound of the weight over completions of r GPUs
+    from cand (the twin's `_State.bound`)."""
+    cdef int64_t top[TOPOLOGY_MAX_GPUS]
+    cdef int64_t low[TOPOLOGY_MAX_GPUS]
+    cdef int ntop = 0, nlow = 0, c, t, y, taken, n = st.n
+    cdef int64_t value, total
+    cdef uint64_t rest = cand
+    cdef const unsigned char* row_order
+    cdef const int* row
+    while rest:
+        c = _lowest(rest)
+        rest &= rest - 1
+        value = 2 * st.gain[c]
+        if r > 1:
+            taken = 0
+            row = st.s + c * n
+            row_order = st.order + c * n
+            for t in range(n - 1):
+                y = row_order[t]
+                if (cand >> y) & 1:
+                    value += row[y]
+                    taken += 1
+                    if taken == r - 1:
+                        break
+        _insert_desc(top, &ntop, r, value)
+        _insert_asc(low, &nlow, r, st.w[c])
+    total = 2 * score_p
+    for t in range(ntop):
+        total += top[t]
+    ub[0] = total // 2
+    total = w_p
+    for t in range(nlow):
+        total += low[t]
+    min_w[0] = total
+
+
+cdef void _dfs(Search* st, uint64_t chosen, int r, int64_t score_p, int64_t w_p,
+               uint64_t cand) noexcept nogil:
+    cdef int count, i, c, y, n = st.n
+    cdef int64_t total, weight, ub = 0, min_w = 0
+    cdef uint64_t rest, inner, low
+    cdef const int* row
+    if r == 0:
+        _consider(st, chosen, score_p, w_p)
+        return
+    count = _popcount(cand)
+    if count < r:
+        return
+    if count == r:  # every candidate: score it directly
+        total = score_p
+        weight = w_p
+        rest = cand
+        while rest:
+            c = _lowest(rest)
+            rest &= rest - 1
+            total += st.gain[c]
+            weight += st.w[c]
+            row = st.s + c * n
+            inner = rest
+            while inner:
+                y = _lowest(inner)
+                inner &= inner - 1
+                total += row[y]
+        _consider(st, chosen | cand, total, weight)
+        return
+    if st.nodes >= st.budget:
+        return
+    st.nodes += 1
+    _bound(st, score_p, w_p, cand, r, &ub, &min_w)
+    if st.best_score >= 0 and (ub < st.best_score
+                               or (ub == st.best_score and min_w >= st.best_w)):
+        return
+    i = _lowest(cand)
+    low = (<uint64_t>1) << i
+    rest = cand ^ low
+    row = st.s + i * n
+    inner = rest
+    while inner:
+        c = _lowest(inner)
+        inner &= inner - 1
+        st.gain[c] += row[c]
+    _dfs(st, chosen | low, r - 1, score_p + st.gain[i], w_p + st.w[i], rest)
+    inner = rest
+    while inner:
+        c = _lowest(inner)
+        inner &= inner - 1
+        st.gain[c] -= row[c]
+    _dfs(st, chosen, r, score_p, w_p, rest & ~st.twins_after[i])
+
+
+cdef uint64_t _packed_region(const int* s, int n, uint64_t avail, uint64_t must,
+                             int k) noexcept nogil:
+    """The twin's `PairScores._packed_region`: descend the score tree from avail, keeping the
+    smallest child group that still holds must and k GPUs."""
+    cdef int values[TOPOLOGY_MAX_GPUS * TOPOLOGY_MAX_GPUS]
+    cdef int nvalues = 0, distinct = 0, v, a, b, i, j, count, best_count
+    cdef uint64_t rest, inner, node = avail, remaining, group, frontier, lowbit, new, best
+    cdef int threshold
+    rest = avail
+    while rest:
+        a = _lowest(rest)
+        rest &= rest - 1
+        inner = rest
+        while inner:
+            b = _lowest(inner)
+            inner &= inner - 1
+            values[nvalues] = s[a * n + b]
+            nvalues += 1
+    if nvalues == 0:
+        return node
+    qsort(values, nvalues, sizeof(int), _compare_int)
+    for v in range(nvalues):
+        if distinct == 0 or values[distinct - 1] != values[v]:
+            values[distinct] = values[v]
+            distinct += 1
+    for v in range(distinct):
+        threshold = values[v]
+        best = 0
+        best_count = 0
+        remaining = node
+        while remaining:
+            group = remaining & (~remaining + 1)
+            frontier = group
+            while frontier:
+                lowbit = frontier & (~frontier + 1)
+                frontier ^= lowbit
+                i = _lowest(lowbit)
+                new = 0
+                inner = node & ~group
+                while inner:
+                    j = _lowest(inner)
+                    inner &= inner - 1
+                    if s[i * n + j] >= threshold:
+                        new |= (<uint64_t>1) << j
+                group |= new
+                frontier |= new
+            remaining &= ~group
+            count = _popcount(group)
+            if (group & must) == must and count >= k and (best == 0 or count < best_count):
+                best = group
+                best_count = count
+        if best == 0:
+            break
+        node = best
+    return node
+
+
+cdef class PairScores:
+    """A symmetric matrix of pair scores, converted once into C arrays, and the exact search
+    for the highest-scoring set of k GPUs over it.
+
+    `scores[i][j]` is the score of GPUs i and j (ints in [0, MAX_PAIR_SCORE], symmetric; the
+    diagonal is ignored), `unknown[i]` true when GPU i's NUMA node is unknown. Thread-safe:
+    each search keeps its state on the C stack, without the GIL.
+    """
+
+    cdef int _n
+    cdef int* _s
+    cdef unsigned char* _order
+    cdef uint64_t _twins_after[TOPOLOGY_MAX_GPUS]
+    cdef unsigned char _unknown[TOPOLOGY_MAX_GPUS]
+
+    def __cinit__(self):
+        self._s = NULL
+        self._order = NULL
+
+    def __init__(self, scores, unknown=None):
+        matrix, flags = check_scores(scores, unknown)
+        cdef int n = len(matrix), i, j, x, t, y
+        cdef bint same
+        self._n = n
+        self._s = <int*>malloc(max(n * n, 1) * sizeof(int))
+        self._order = <unsigned char*>malloc(max(n * n, 1) * sizeof(unsigned char))
+        if self._s == NULL or self._order == NULL:
+            raise MemoryError()
+        for i in range(n):
+            row = matrix[i]
+            self._unknown[i] = 1 if flags[i] else 0
+            for j in range(n):
+                self._s[i * n + j] = <int>row[j]
+        with nogil:
+            for i in range(n):
+                # peers of i, strongest first, ties by lower index (insertion sort, stable)
+                t = 0
+                for j in range(n):
+                    if j == i:
+                        continue
+                    y = t
+                    while y > 0 and self._s[i * n + self._order[i * n + y - 1]] < self._s[i * n + j]:
+                        self._order[i * n + y] = self._order[i * n + y - 1]
+                        y -= 1
+                    self._order[i * n + y] = <unsigned char>j
+                    t += 1
+                self._twins_after[i] = 0
+            for i in range(n):
+                for j in range(i + 1, n):
+                    if self._unknown[i] != self._unknown[j]:
+                        continue
+                    same = True
+                    for x in range(n):
+                        if x != i and x != j and self._s[i * n + x] != self._s[j * n + x]:
+                            same = False
+                            break
+                    if same:
+                        self._twins_after[i] |= (<uint64_t>1) << j
+
+    def __dealloc__(self):
+        free(self._s)
+        free(self._order)
+
+    @property
+    def n(self):
+        return self._n
+
+    def pair(self, int i, int j):
+        """The score of GPUs i and j (0 for i == j)."""
+        if not (0 <= i < self._n and 0 <= j < self._n):
+            raise IndexError(f"GPU pair ({i}, {j}) outside 0..{self._n - 1}")
+        return self._s[i * self._n + j]
+
+    def set_score(self, mask):
+        """Sum of the pair scores of every pair of GPUs in mask."""
+        cdef uint64_t m = check_mask(self._n, mask), inner
+        cdef int64_t total = 0
+        cdef int a, b
+        with nogil:
+            while m:
+                a = _lowest(m)
+                m &= m - 1
+                inner = m
+                while inner:
+                    b = _lowest(inner)
+                    inner &= inner - 1
+                    total += self._s[a * self._n + b]
+        return total
+
+    def best_set(self, available, must, k, policy="best-effort"):
+        """The chosen set of k GPUs as a mask (see `search`)."""
+        return self.search(available, must, k, policy)[0]
+
+    def search(self, available, must, k, policy="best-effort"):
+        """(mask, nodes): the best k-GPU subset of `available` holding `must`, and how many
+        search nodes it took. Best: the highest set score, then the fewest GPUs of unknown NUMA
+        node, then the smallest sum of link degrees within `available` (the least link weight
+        taken from what stays free), then the lowest GPU indices. `packed` first narrows
+        `available` to the tightest group of the score tree that holds the request."""
+        py_avail, py_must, py_k, py_packed = check_request(self._n, available, must, k, policy)
+        cdef uint64_t avail = py_avail, req = py_must, region, rest, inner
+        cdef int size = py_k, n = self._n, c, y, x
+        cdef bint packed = py_packed
+        cdef int64_t unknown_weight = UNKNOWN_NUMA_WEIGHT, score_p = 0, w_p = 0, deg
+        cdef Search st
+        st.n = n
+        st.s = self._s
+        st.order = self._order
+        st.twins_after = self._twins_after
+        st.best_score = -1
+        st.best_w = 0
+        st.best_set = 0
+        st.nodes = 0
+        st.budget = NODE_BUDGET
+        with nogil:
+            for c in range(n):
+                st.w[c] = 0
+                st.gain[c] = 0
+            rest = avail
+            while rest:
+                c = _lowest(rest)
+                rest &= rest - 1
+                deg = unknown_weight if self._unknown[c] else 0
+                inner = avail
+                while inner:
+                    y = _lowest(inner)
+                    inner &= inner - 1
+                    deg += self._s[c * n + y]
+                st.w[c] = deg
+            region = _packed_region(self._s, n, avail, req, size) if packed else avail
+            rest = req
+            while rest:
+                x = _lowest(rest)
+                rest &= rest - 1
+                score_p += st.gain[x]
+                w_p += st.w[x]
+                for c in range(n):
+                    st.gain[c] += self._s[x * n + c]
+            _dfs(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
+        return st.best_set, st.nodes

@@ -163,8 +163,13 @@ def _nvlink_peers(handle, bus_to_index: dict[str, int]) -> tuple[dict[int, int],
 def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
     """The link model for every ordered pair of GPUs (i, j), i != j, keyed by GPU index.
 
-    A pair NVML cannot describe counts as the weakest level (SYS, no NVLink), so one GPU that
-    fell off the bus degrades the model instead of failing it.
+    Per pair: the PCIe common-ancestor level (nvmlDeviceGetTopologyCommonAncestor), the NVLinks
+    between them (links whose state is up and whose remote PCI bus id is the other GPU), and,
+    when both GPUs have links to NVSwitches, the smaller of their switch-link counts on top
+    (`via_switch`: an NVSwitch system, all-to-all), as `nvidia-smi topo -m` counts NV#. NUMA
+    nodes are on the `Gpu` records. A pair NVML cannot describe counts as the weakest level
+    (SYS, no NVLink), so one GPU that fell off the bus degrades the model instead of failing
+    it; the level is read once per unordered pair.
     """
     handles = {}
     for gpu in gpus:
@@ -175,8 +180,8 @@ def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
     bus_to_index = {gpu.pci_bus_id.lower(): gpu.index for gpu in gpus}
     nv = {i: _nvlink_peers(h, bus_to_index) for i, h in handles.items()}
     links: dict[tuple[int, int], Link] = {}
-    for a in gpus:
-        for b in gpus:
+    for x, a in enumerate(gpus):
+        for b in gpus[x + 1:]:
             if a.index == b.index:
                 continue
             level = LEVEL_SYSTEM
@@ -185,14 +190,16 @@ def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
                     level = int(_call(pynvml.nvmlDeviceGetTopologyCommonAncestor,
                                       handles[a.index], handles[b.index]))
                 except NvmlError as exc:
-                    log.warning("no PCIe level for GPUs %d and %d: %s", a.index, b.index, exc)
+                    log.warning("no PCIe level for GPUs %s (index %d) and %s (index %d): %s; "
+                                "counted as SYS", a.uuid, a.index, b.uuid, b.index, exc)
+            if level not in LEVEL_NAMES:
+                level = LEVEL_SYSTEM
             peers_a, switch_a = nv.get(a.index, ({}, 0))
-            _peers_b, switch_b = nv.get(b.index, ({}, 0))
-            direct = peers_a.get(b.index, 0)
-            if direct:
-                links[(a.index, b.index)] = Link(level, direct)
-            elif switch_a and switch_b:
-                links[(a.index, b.index)] = Link(level, min(switch_a, switch_b), via_switch=True)
-            else:
-                links[(a.index, b.index)] = Link(level)
+            peers_b, switch_b = nv.get(b.index, ({}, 0))
+            # Each side counts its own links to the other; a link one side cannot read is
+            # still a link (the larger count).
+            direct = max(peers_a.get(b.index, 0), peers_b.get(a.index, 0))
+            switched = min(switch_a, switch_b) if switch_a and switch_b else 0
+            link = Link(level, direct + switched, via_switch=bool(switched))
+            links[(a.index, b.index)] = links[(b.index, a.index)] = link
     return links

@@ -1,35 +1,54 @@
-"""The preferred-allocation policy kubelet asks for (GetPreferredAllocation), a simple one.
+"""The preferred-allocation policy kubelet asks for (GetPreferredAllocation).
 
-Owns: choosing `size` devices out of kubelet's available ones, must-include devices first,
-then keeping the pick on as few NUMA nodes as it can: a node that holds all the rest alone is
-preferred (the one with the fewest free devices that still fits, so that large free nodes stay
-whole for large pods), otherwise nodes with the most free devices first. Ties fall to the lower
-NUMA node and the lower GPU index, so the answer is deterministic. NVLink-aware choice comes
-with the topology work. Must not call NVML nor import grpc.
+Owns: checking one container's request, mapping device IDs onto the physical GPUs of the
+`TopologyModel` (several device IDs may share one GPU: shared replicas), asking the exact set
+search of `agent._fast` for the GPUs, and turning its answer back into device IDs in a stable
+order. Policies (docs/allocation.md): `best-effort` (the highest-scoring set), `packed` (the
+tightest group of the score tree that fits, then the highest-scoring set in it), and for
+replicas `distributed` (as many GPUs as the request allows, the best-scoring set of them, the
+least loaded first) or `packed` (fill GPUs already partly used, then the best-linked next
+one). Answers depend only on the request and the model, never on the order of `available`.
+Must not call NVML nor import grpc.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from agent.errors import RequestError
 from agent.rm.devices import Device
+from agent.rm.topology import TopologyModel
 
-_NO_NODE = 1 << 30  # devices without NUMA affinity sort after every real node
+BEST_EFFORT = "best-effort"
+PACKED = "packed"
+DISTRIBUTED = "distributed"
+ALLOCATION_POLICIES = (BEST_EFFORT, PACKED)
+REPLICA_POLICIES = (DISTRIBUTED, PACKED)
 
 
-def _node(device: Device) -> int:
-    return _NO_NODE if device.numa_node is None else device.numa_node
+def _mask(positions) -> int:
+    mask = 0
+    for p in positions:
+        mask |= 1 << p
+    return mask
 
 
-def preferred_allocation(resource: str, available: Sequence[str], must_include: Sequence[str],
-                         size: int, known: Mapping[str, Device]) -> list[str]:
-    """The device IDs to prefer for one container: `size` of `available`, `must_include` first.
+def _positions(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
-    RequestError when the request cannot be met as asked: a size below one or above the
-    available count, IDs this resource does not advertise, must-include devices that are not
-    available, or more must-include devices than `size`.
-    """
+
+def check_request(resource: str, available: Sequence[str], must_include: Sequence[str],
+                  size: int, known: Mapping[str, Device]) -> tuple[list[str], list[str]]:
+    """(available, must-include) without repeats; RequestError when the request cannot be met
+    as asked: a size below one or above the available count, IDs this resource does not
+    advertise, must-include devices that are not available, or more must-include devices
+    than `size`."""
     where = f"invalid preferred allocation request for '{resource}'"
     if size < 1:
         raise RequestError(f"{where}: allocation size {size} is less than 1")
@@ -47,28 +66,83 @@ def preferred_allocation(resource: str, available: Sequence[str], must_include: 
     if size > len(avail):
         raise RequestError(f"{where}: allocation size {size} exceeds the {len(avail)} "
                            f"available devices")
+    return avail, must
 
+
+def preferred_allocation(resource: str, available: Sequence[str], must_include: Sequence[str],
+                         size: int, known: Mapping[str, Device], *,
+                         model: TopologyModel | None = None, policy: str = BEST_EFFORT,
+                         replica_policy: str = DISTRIBUTED) -> list[str]:
+    """The device IDs to prefer for one container: `size` of `available`, `must_include` first
+    (in request order), then the others: those on the NUMA node holding most of the pick first,
+    by GPU index (GPUs of unknown NUMA node last).
+
+    `model` is the node's TopologyModel; without one (or when it lacks a device's GPU) a
+    NUMA-only model of `known` is used. RequestError when the request cannot be met (see
+    `check_request`).
+    """
+    avail, must = check_request(resource, available, must_include, size, known)
+    if model is None or not model.covers(known[i].gpu_uuid for i in avail):
+        model = TopologyModel.numa_only(known.values())
+    rank = {device_id: r for r, device_id in enumerate(known)}
+    pos_of = {i: model.by_uuid[known[i].gpu_uuid].pos for i in avail}
+    per_gpu = Counter(pos_of.values())
+    if all(c == 1 for c in per_gpu.values()):
+        return _whole_gpus(model, avail, must, size, pos_of, policy)
+    return _replicas(model, avail, must, size, pos_of, rank, replica_policy)
+
+
+def _whole_gpus(model: TopologyModel, avail: list[str], must: list[str], size: int,
+                pos_of: dict[str, int], policy: str) -> list[str]:
+    """One device per GPU: the search picks the GPUs themselves."""
+    chosen = model.search.best_set(_mask(pos_of.values()), _mask(pos_of[i] for i in must),
+                                   size, policy)
+    device_at = {pos_of[i]: i for i in avail}
+    rest = [p for p in _positions(chosen) if device_at[p] not in must]
+    numa = Counter(model.gpus[p].numa_node for p in _positions(chosen))
+
+    def home_first(p: int) -> tuple:
+        node = model.gpus[p].numa_node
+        return (node is None, -numa[node], node or 0, p)
+
+    rest.sort(key=home_first)
+    return list(must) + [device_at[p] for p in rest]
+
+
+def _replicas(model: TopologyModel, avail: list[str], must: list[str], size: int,
+              pos_of: dict[str, int], rank: dict[str, int], replica_policy: str) -> list[str]:
+    """Several devices on some GPU: choose GPUs by the replica policy, then devices on them
+    (on each GPU, in the order the resource lists its devices)."""
+    free: dict[int, list[str]] = {}
+    for i in sorted(avail, key=lambda d: rank[d]):
+        if i not in must:
+            free.setdefault(pos_of[i], []).append(i)
+    used = Counter(pos_of[i] for i in must)
     chosen = list(must)
     need = size - len(chosen)
-    free: dict[int, list[Device]] = {}
-    for device_id in avail:
-        if device_id not in chosen:
-            device = known[device_id]
-            free.setdefault(_node(device), []).append(device)
-    for devices in free.values():
-        devices.sort(key=lambda d: d.gpu_index)
-    home = {_node(known[i]) for i in must}
-
+    scores = model.scores
+    if replica_policy == PACKED:
+        while need:
+            open_gpus = [p for p in used if free.get(p)]
+            if open_gpus:  # the GPU of this request with the fewest free devices first
+                p = min(open_gpus, key=lambda q: (len(free[q]), q))
+            else:  # a new GPU: the best linked to the request's GPUs, then the fullest
+                p = min((q for q in free if free[q]),
+                        key=lambda q: (-sum(scores[q][u] for u in used), len(free[q]), q))
+            take = free[p][:need]
+            del free[p][:len(take)]
+            chosen += take
+            used[p] += len(take)
+            need -= len(take)
+        return chosen
+    # distributed: as many distinct GPUs as the request allows, the best-scoring set of them
+    gpus = set(used) | {p for p, ids in free.items() if ids}
+    target = min(len(gpus), len(used) + need)
+    spread = _positions(model.search.best_set(_mask(gpus), _mask(used), target, BEST_EFFORT))
     while need:
-        fits = [n for n in free if len(free[n]) >= need]
-        if home & set(free):  # fill the must-include devices' nodes first
-            node = min(home & set(free), key=lambda n: (-len(free[n]), n))
-        elif fits:  # one node holds the rest: the tightest fit
-            node = min(fits, key=lambda n: (n == _NO_NODE, len(free[n]), n))
-        else:  # spread as little as possible: biggest nodes first
-            node = min(free, key=lambda n: (-len(free[n]), n))
-        take = free.pop(node)[:need]
-        home.discard(node)
-        chosen += [d.id for d in take]
-        need -= len(take)
+        p = min((q for q in spread if free.get(q)),
+                key=lambda q: (used[q], -len(free[q]), q))
+        chosen.append(free[p].pop(0))
+        used[p] += 1
+        need -= 1
     return chosen
