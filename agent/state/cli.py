@@ -1,0 +1,111 @@
+"""`gpu-agent state show [--json]`: the allocations recorded in the checkpoint.
+
+Owns: the command and its output (one entry per allocation: pod, namespace, container,
+resource, devices, GPUs, since). Reads the checkpoint file only: it never moves, repairs or
+writes anything (the running agent owns the file). Must not import grpc or NVML code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from agent.errors import StateError
+from agent.state.checkpoint import Checkpoint, CheckpointError, Record
+from agent.state.journal import CHECKPOINT_FILE, read_checkpoint, set_aside_files
+
+
+def _since(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def record_json(r: Record) -> dict:
+    return {
+        "pod": r.pod.name if r.pod else None,
+        "namespace": r.pod.namespace if r.pod else None,
+        "container": r.pod.container if r.pod else None,
+        "resource": r.resource,
+        "devices": list(r.devices),
+        "gpus": [{"uuid": g.uuid, "index": g.index} for g in r.gpus],
+        "since": r.time,
+        "sinceText": _since(r.time),
+        "confirmed": r.confirmed,
+        "boot": r.boot,
+        "id": r.id,
+        "response": {
+            "envs": dict(r.response.envs),
+            "mounts": [m._asdict() for m in r.response.mounts],
+            "devices": [d._asdict() for d in r.response.devices],
+            "annotations": dict(r.response.annotations),
+            "cdiDevices": list(r.response.cdi_devices),
+        },
+    }
+
+
+def show_json(path: str, cp: Checkpoint | None) -> dict:
+    return {
+        "checkpoint": path,
+        "exists": cp is not None,
+        "written": cp.written if cp else None,
+        "boot": cp.boot if cp else None,
+        "keyedBy": cp.keyed_by if cp else None,
+        "allocations": [record_json(r) for r in (cp.records if cp else ())],
+        "setAside": set_aside_files(path),
+    }
+
+
+def show_text(path: str, cp: Checkpoint | None) -> str:
+    if cp is None:
+        lines = [f"no checkpoint at {path}: no allocations recorded"]
+    else:
+        lines = [f"checkpoint {path}: {len(cp.records)} allocations, written "
+                 f"{_since(cp.written)} in boot {cp.boot or 'unknown'}, GPUs keyed by "
+                 f"{cp.keyed_by}"]
+        for r in cp.records:
+            who = (f"pod {r.pod.namespace}/{r.pod.name} container {r.pod.container}" if r.pod
+                   else "no pod yet (podresources has not listed it)")
+            lines.append(f"{who}: {r.resource} since {_since(r.time)}")
+            lines.append(f"  devices: {', '.join(r.devices)}")
+            lines.append("  GPUs: " + ", ".join(f"{g.index} ({g.uuid})" for g in r.gpus))
+    for aside in set_aside_files(path):
+        lines.append(f"set aside (bad checkpoint kept for inspection): {aside}")
+    return "\n".join(lines)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from agent.config import load_config
+
+    path = os.path.join(load_config(args, os.environ).state_dir, CHECKPOINT_FILE)
+    try:
+        cp = read_checkpoint(path)
+    except CheckpointError as exc:
+        raise StateError(f"checkpoint {path}: {exc} (the agent sets a bad checkpoint aside "
+                         f"when it starts)") from None
+    if args.json:
+        print(json.dumps(show_json(path, cp), indent=2))
+    else:
+        print(show_text(path, cp))
+    return 0
+
+
+def add_cli(sub: Any) -> None:
+    """Register `gpu-agent state show` on the top-level sub-parsers."""
+    from agent.config import add_run_options
+
+    p = sub.add_parser("state", help="show the allocations the agent recorded",
+                       description="The allocation checkpoint in the state directory.")
+    ssub = p.add_subparsers(dest="state_command", metavar="STATE_COMMAND")
+    ssub.required = True
+    show = ssub.add_parser(
+        "show", allow_abbrev=False,
+        help="list the recorded allocations: pod, namespace, container, resource, devices, "
+             "GPUs, since",
+        description="List the allocations in STATE_DIR/checkpoint.msgpack. Takes run's "
+                    "options to find the state directory (--state-dir, GPU_AGENT_STATE_DIR, "
+                    "agent.stateDir). Reads only.")
+    add_run_options(show)
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(func=_cmd_show)

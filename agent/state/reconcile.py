@@ -1,0 +1,182 @@
+"""Reconciliation: which recorded allocations still stand, and which pod each one serves.
+
+Owns: the rules, as a pure function of plain data (`reconcile`): the records, what kubelet's
+podresources List reported (`PodDevices`, or None when it could not be asked), the GPUs on the
+host now (or None before discovery), the checkpoint key strategy, this boot's ID and the time.
+It returns an `Outcome`: the records kept (attributed, re-keyed), those dropped with the
+reason, and what changed. Must not talk to kubelet, NVML or files; agent.kubelet.podresources
+asks kubelet and agent.state.journal applies the outcome.
+
+The rules (docs/state.md says them for operators):
+1. GPUs (when known): under key `uuid` a record's GPU is found by UUID (its index is updated
+   if it moved); under `index` by index (its UUID is updated if it changed, e.g. after a VM's
+   cold migration). A record with a GPU not found is dropped.
+2. Pods (when podresources answered): kubelet lists each container's device IDs per resource.
+   Records are matched newest first on resource and the exact set of device IDs; each listed
+   container claims at most one record. A matched record gets the pod and `confirmed`.
+3. A record attributed before and not matched now is dropped: its pod ended (or no longer holds
+   those devices). An unattributed record is dropped when it comes from another boot, when
+   its devices are now held by another container, or when it stayed unattributed longer than
+   `grace` seconds; otherwise it is kept as pending (kubelet lists a container's devices only
+   after Allocate has returned).
+4. Without a podresources answer no record is dropped for pod reasons: not even those of
+   another boot, which wait for the first answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from agent.state.checkpoint import GpuRef, PodRef, Record
+
+# An Allocate that no pod claims within this long was not followed by a running container
+# (kubelet failed the admission after Allocate, or something other than kubelet called us).
+UNATTRIBUTED_GRACE_S = 300.0
+
+
+@dataclass(frozen=True)
+class PodDevices:
+    """One container's devices of one resource, as podresources List reports them (kubelet
+    may split them into several ContainerDevices by NUMA node; those are merged here)."""
+
+    namespace: str
+    name: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+    @property
+    def pod(self) -> PodRef:
+        return PodRef(self.namespace, self.name, self.container)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconciliation decided."""
+
+    kept: tuple[Record, ...]
+    dropped: tuple[tuple[Record, str], ...]  # (record as it was, why)
+    attributed: tuple[Record, ...]  # kept records that got a pod (or another pod) this time
+    rekeyed: tuple[tuple[Record, str], ...]  # kept records whose GPU UUID/index was updated
+    pending: int  # kept records no pod has claimed yet
+    listed: bool  # podresources answered
+
+    @property
+    def changed_ids(self) -> set[str]:
+        return {r.id for r in self.attributed} | {r.id for r, _ in self.rekeyed}
+
+
+def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
+    """Entries of the same container and resource merged (device IDs in first-seen order)."""
+    merged: dict[tuple, list[str]] = {}
+    for e in entries:
+        ids = merged.setdefault((e.namespace, e.name, e.container, e.resource), [])
+        ids.extend(d for d in e.device_ids if d not in ids)
+    return [PodDevices(*key, tuple(ids)) for key, ids in merged.items()]
+
+
+def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
+                  ) -> tuple[Record | None, str]:
+    """(the record with its GPUs resolved, a note of what changed) or (None, why dropped)."""
+    out, notes = [], []
+    for g in r.gpus:
+        if keyed_by == "index":
+            now = by_index.get(g.index)
+            if now is None:
+                return None, f"GPU index {g.index} ({g.uuid}) is no longer on this host"
+            if now.uuid != g.uuid:
+                notes.append(f"GPU {g.index}: UUID {g.uuid} is now {now.uuid}")
+        else:
+            now = by_uuid.get(g.uuid)
+            if now is None:
+                return None, (f"GPU {g.uuid} (index {g.index}) is no longer on this host "
+                              f"(checkpointDeviceIDStrategy uuid)")
+            if now.index != g.index:
+                notes.append(f"GPU {g.uuid}: index {g.index} is now {now.index}")
+        out.append(GpuRef(now.uuid, now.index))
+    if notes:
+        return replace(r, gpus=tuple(out)), "; ".join(notes)
+    return r, ""
+
+
+def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *,
+              gpus: Sequence[Any] | None, keyed_by: str, boot: str, now: float,
+              grace: float = UNATTRIBUTED_GRACE_S) -> Outcome:
+    """Apply the rules of this module to `records`. `gpus`: objects with `.uuid` and
+    `.index` (the GPUs discovered now), or None when not known yet; `listing`: podresources'
+    answer, or None when it could not be had."""
+    dropped: list[tuple[Record, str]] = []
+    rekeyed: list[tuple[Record, str]] = []
+    current: list[Record] = []
+    if gpus is not None:
+        by_uuid = {g.uuid: GpuRef(g.uuid, int(g.index)) for g in gpus}
+        by_index = {int(g.index): GpuRef(g.uuid, int(g.index)) for g in gpus}
+        for r in records:
+            resolved, note = _resolve_gpus(r, by_uuid, by_index, keyed_by)
+            if resolved is None:
+                dropped.append((r, note))
+                continue
+            if note:
+                rekeyed.append((resolved, note))
+            current.append(resolved)
+    else:
+        current = list(records)
+
+    if listing is None:
+        pending = sum(1 for r in current if r.pod is None)
+        return Outcome(tuple(current), tuple(dropped), (), tuple(rekeyed), pending, False)
+
+    merged = merge_listing(listing)
+    by_set: dict[tuple[str, frozenset], list[PodRef]] = {}
+    owner: dict[tuple[str, str], PodRef] = {}
+    live_pods = set()
+    for e in merged:
+        by_set.setdefault((e.resource, frozenset(e.device_ids)), []).append(e.pod)
+        for d in e.device_ids:
+            owner[(e.resource, d)] = e.pod
+        live_pods.add((e.namespace, e.name))
+    claimed: set[tuple[str, PodRef]] = set()
+    kept: list[Record] = []
+    attributed: list[Record] = []
+    # newest first: when a device set was allocated twice, the latest Allocate is the one the
+    # running container got
+    for r in sorted(current, key=lambda r: (r.time, r.id), reverse=True):
+        candidates = [p for p in by_set.get((r.resource, frozenset(r.devices)), ())
+                      if (r.resource, p) not in claimed]
+        match = None
+        if r.pod is not None and r.pod in candidates:
+            match = r.pod
+        elif r.pod is None and candidates:
+            match = candidates[0]
+        if match is not None:
+            claimed.add((r.resource, match))
+            updated = replace(r, pod=match, confirmed=now)
+            kept.append(updated)
+            if r.pod != match:
+                attributed.append(updated)
+            continue
+        if r.pod is not None:
+            if (r.pod.namespace, r.pod.name) in live_pods:
+                why = f"pod {r.pod} no longer holds these devices"
+            else:
+                why = f"pod {r.pod.namespace}/{r.pod.name} has ended"
+            dropped.append((r, why))
+            continue
+        holder = next((owner[(r.resource, d)] for d in r.devices if (r.resource, d) in owner),
+                      None)
+        if r.boot != boot:
+            dropped.append((r, f"allocated in another boot ({r.boot or 'unknown'}) and not "
+                               f"listed by podresources"))
+        elif holder is not None:
+            dropped.append((r, f"its devices are now held by {holder}"))
+        elif now - r.time > grace:
+            dropped.append((r, f"no pod claimed it within {grace:g} s of the Allocate"))
+        else:
+            kept.append(r)
+    kept.sort(key=lambda r: (r.time, r.id))
+    kept_ids = {r.id for r in kept}
+    rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
+    pending = sum(1 for r in kept if r.pod is None)
+    return Outcome(tuple(kept), tuple(dropped), tuple(attributed), tuple(rekeyed), pending, True)
