@@ -1,0 +1,227 @@
+"""Manual isolation: the operators' unhealthy-devices file, watched with inotify (pyinotify).
+
+Owns: reading `{"index": [...], "uuid": [...]}` (default path
+/etc/nvidia-device-plugin/unhealthyDevices.json, `agent.health.unhealthyDevicesFile`), which
+devices an isolation set names (a GPU index or UUID names every device that GPU backs; a MIG
+index "G:M" or MIG UUID names that instance), and a thread that re-reads the file whenever it
+is written, renamed into place or removed in its directory, and hands the new set (or the
+problem with it) to a callback. A missing file isolates nothing; a malformed one is reported
+and the previous set stays. Must not touch devices or NVML: the monitor applies the set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Callable
+
+from agent.errors import AgentError
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # pyinotify imports asyncore
+    import pyinotify
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/etc/nvidia-device-plugin/unhealthyDevices.json"
+# With the file's directory missing, look for it again this often.
+RETRY_S = 2.0
+_MASK = (pyinotify.IN_CLOSE_WRITE | pyinotify.IN_MOVED_TO | pyinotify.IN_MOVED_FROM
+         | pyinotify.IN_DELETE | pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF)
+_INDEX = re.compile(r"^\d+(:\d+)?$")
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+$")
+
+
+class IsolationError(AgentError):
+    """The isolation file is malformed (the previous set stays in force)."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the file names: GPU/MIG indexes (as text) and GPU/MIG UUIDs."""
+
+    indexes: frozenset[str] = frozenset()
+    uuids: frozenset[str] = frozenset()
+
+    def names(self, device) -> bool:
+        """Does this set name `device` (an agent.rm.devices.Device)?"""
+        return (device.index in self.indexes or str(device.gpu_index) in self.indexes
+                or device.id in self.uuids or device.gpu_uuid in self.uuids)
+
+    def unknown(self, devices: Iterable) -> list[str]:
+        """Entries that name none of `devices` (typos, GPUs of another node)."""
+        devices = list(devices)
+        known = {d.index for d in devices} | {str(d.gpu_index) for d in devices}
+        known |= {d.id for d in devices} | {d.gpu_uuid for d in devices}
+        return sorted((self.indexes | self.uuids) - known)
+
+    def __bool__(self) -> bool:
+        return bool(self.indexes or self.uuids)
+
+
+def parse(text: str, path: str) -> Isolation:
+    """The isolation set in `text` (the file at `path`); IsolationError saying what is wrong.
+    Blank text isolates nothing (a file being emptied)."""
+    if not text.strip():
+        return Isolation()
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise IsolationError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise IsolationError(f"{path}: expected a JSON object like "
+                             f"{{\"index\": [0, 3], \"uuid\": [\"GPU-...\"]}}, got "
+                             f"{type(doc).__name__}")
+    unknown = sorted(set(doc) - {"index", "uuid"})
+    if unknown:
+        raise IsolationError(f"{path}: unknown key {unknown[0]!r}; the keys are \"index\" and "
+                             f"\"uuid\"")
+    indexes, uuids = set(), set()
+    for i, item in enumerate(_list(doc, "index", path)):
+        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            indexes.add(str(item))
+        elif isinstance(item, str) and _INDEX.match(item.strip()):
+            indexes.add(item.strip())
+        else:
+            raise IsolationError(f"{path}: index[{i}]: {item!r} is not a GPU index (3) or a MIG "
+                                 f"index (\"3:1\")")
+    for i, item in enumerate(_list(doc, "uuid", path)):
+        if isinstance(item, str) and _UUID.match(item.strip()):
+            uuids.add(item.strip())
+        else:
+            raise IsolationError(f"{path}: uuid[{i}]: {item!r} is not a GPU- or MIG- UUID")
+    return Isolation(frozenset(indexes), frozenset(uuids))
+
+
+def _list(doc: dict, key: str, path: str) -> list:
+    value = doc.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise IsolationError(f"{path}: {key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def read(path: str) -> Isolation:
+    """The set the file at `path` holds now (none when it does not exist)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return Isolation()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IsolationError(f"cannot read {path}: {exc}") from None
+    return parse(text, path)
+
+
+class _Collect(pyinotify.ProcessEvent):
+    def my_init(self, sink: list) -> None:
+        self.sink = sink
+
+    def process_default(self, event) -> None:
+        self.sink.append((event.mask, event.name))
+
+
+class IsolationWatch:
+    """A thread that calls on_change(isolation, None) after each change of the file at `path`,
+    or on_change(None, error) when it is malformed. `start()` reads it once first, in the
+    caller's thread, so the first set is in force before start() returns."""
+
+    def __init__(self, path: str, on_change: Callable[[Isolation | None, str | None], None]):
+        self.path = path
+        self.directory = os.path.dirname(path) or "."
+        self.name = os.path.basename(path)
+        self.on_change = on_change
+        self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._events: list = []
+        self._wm: pyinotify.WatchManager | None = None
+        self._notifier: pyinotify.Notifier | None = None
+        self._thread: threading.Thread | None = None
+        self._missing_logged = False
+
+    def start(self) -> None:
+        self._watch()
+        self.reload()
+        self._thread = threading.Thread(target=self._run, name="health-isolation", daemon=True)
+        self._thread.start()
+
+    def reload(self) -> None:
+        try:
+            isolation = read(self.path)
+        except IsolationError as exc:
+            self.on_change(None, str(exc))
+            return
+        self.on_change(isolation, None)
+
+    def _watch(self) -> bool:
+        if self._wm is not None:
+            return True
+        if not os.path.isdir(self.directory):
+            if not self._missing_logged:
+                log.info("isolation file directory %s does not exist; looking for it every "
+                         "%g s", self.directory, RETRY_S)
+                self._missing_logged = True
+            return False
+        wm = pyinotify.WatchManager()
+        notifier = pyinotify.Notifier(wm, _Collect(sink=self._events), timeout=0)
+        try:
+            wm.add_watch(self.directory, _MASK, quiet=False)
+        except pyinotify.WatchManagerError as exc:
+            notifier.stop()
+            log.warning("cannot watch %s with inotify (%s); looking again every %g s",
+                        self.directory, exc, RETRY_S)
+            return False
+        self._wm, self._notifier = wm, notifier
+        log.info("watching the isolation file %s", self.path)
+        self._missing_logged = False
+        return True
+
+    def _unwatch(self) -> None:
+        if self._notifier is not None:
+            try:
+                self._notifier.stop()
+            except OSError as exc:
+                log.debug("closing the isolation watch: %s", exc)
+        self._wm = self._notifier = None
+
+    def _run(self) -> None:
+        while True:
+            fds = [self._stop_r] + ([self._wm.get_fd()] if self._wm is not None else [])
+            ready, _, _ = select.select(fds, [], [], RETRY_S)
+            if self._stop_r in ready:
+                return
+            if self._wm is None:
+                if self._watch():
+                    self.reload()  # the directory appeared: the file may be there already
+                continue
+            if not ready:
+                continue
+            while self._notifier.check_events(timeout=0):
+                self._notifier.read_events()
+                self._notifier.process_events()
+            events, self._events[:] = list(self._events), []
+            gone = any(mask & (pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF
+                               | pyinotify.IN_IGNORED) for mask, _ in events)
+            if gone:
+                self._unwatch()
+            if gone or any(name == self.name for _, name in events):
+                self.reload()
+
+    def stop(self) -> None:
+        if self._stop_r < 0:
+            return
+        if self._thread is not None:
+            os.write(self._stop_w, b"x")
+            self._thread.join(10)
+            self._thread = None
+        self._unwatch()
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
+        self._stop_r = self._stop_w = -1

@@ -1,0 +1,556 @@
+"""The health monitor: the NVML event loop thread, fan-out to devices, lost GPUs, recovery,
+and manual isolation, ending in one health state per advertised device.
+
+Owns: one `agent._fast` EventSet (the compiled one or its twin, as the selector chose) with
+every physical GPU registered for XidCriticalError, DoubleBitEccError and SingleBitEccError
+(masked by what each supports; NOT_SUPPORTED leaves the GPU Healthy with one warning), the
+ignored XIDs handed to its C filter, and a thread that waits on it (GIL released) and:
+- fans an event out to every advertised device its GPU backs (all replicas; for a MIG
+  instance, the one named by GI/CI, or all instances of the GPU when the event names none),
+  and an event that names no GPU to every device;
+- on a wait error (GPU_IS_LOST, which NVML does not pin on a GPU) probes the GPUs to find
+  the lost ones (all GPUs when none can be named), withdraws them and re-establishes the
+  event set;
+- returns devices when their fault's recovery rule holds (agent.health.recovery), probing
+  through agent.nvml.probe.
+Isolation comes from agent.health.isolation's thread. A device is Unhealthy while it has a
+fault or is isolated; every change of that goes to `sink` as one batch (one ListAndWatch
+snapshot), is logged once per GPU with UUID, index, XID, action and reason, and is kept in a
+short list of recent transitions for `gpu-agent status`. Faults are persisted through
+recovery.FaultFile. Must not import grpc or talk to kubelet (the sink does), nor call pynvml
+itself (agent.nvml does).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from agent import _fast
+from agent._fast._types import (
+    COUNTERS,
+    EVENT_DOUBLE_BIT_ECC,
+    EVENT_SINGLE_BIT_ECC,
+    EVENT_XID_CRITICAL,
+    NO_INSTANCE,
+)
+from agent.errors import AgentError, NvmlError, NvmlLibraryError
+from agent.health.isolation import Isolation, IsolationWatch
+from agent.health.policy import (
+    ACTION_TEXT,
+    RESET,
+    WITHDRAWING,
+    XidPolicy,
+)
+from agent.health.recovery import STRENGTH, Fault, FaultFile, reset_may_recover
+from agent.host import boot_id
+from agent.nvml import probe
+
+log = logging.getLogger(__name__)
+
+# One wait never blocks longer than this: stop() returns within it.
+WAIT_MS = 500
+# Recovery checks (probes) run at most this often.
+TICK_S = 0.25
+# After the event set could not be opened, try again this often.
+REOPEN_RETRY_S = 1.0
+EVENT_TYPES = EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC | EVENT_SINGLE_BIT_ECC
+TRANSITIONS_KEPT = 50
+
+# device id -> (healthy, reason), for every device whose health changed.
+Sink = Callable[[Mapping[str, tuple[bool, str]]], None]
+
+
+def matches_instance(device: Any, gi: int, ci: int) -> bool:
+    """Does an event with GPU instance `gi` / compute instance `ci` concern `device`? A full
+    GPU (no gi) always; a MIG instance when each id the event gives equals its own (NVIDIA's
+    matchesMigEvent), so an event naming no instance concerns every instance."""
+    dev_gi = getattr(device, "gi", None)
+    if dev_gi is None:
+        return True
+    dev_ci = getattr(device, "ci", None)
+    return (gi == NO_INSTANCE or gi == dev_gi) and (ci == NO_INSTANCE or ci == dev_ci)
+
+
+class HealthMonitor:
+    """Health of the advertised `devices` (agent.rm.devices.Device) on the physical `gpus`
+    (agent.nvml.discovery.Gpu). `start()` applies the recorded faults and the isolation file
+    before it returns (so the first ListAndWatch snapshot already has them), then runs."""
+
+    def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
+                 policy: XidPolicy, sink: Sink, state_dir: str | None = None,
+                 quiet_period_s: float = 60.0, isolation_file: str = "",
+                 events_module: Any = None, on_change: Callable[[], None] | None = None):
+        self.library_path = library_path
+        self.policy = policy
+        self.sink = sink
+        self.quiet_s = quiet_period_s
+        self.isolation_file = isolation_file
+        self.events = events_module or _fast.events_impl
+        self.on_change = on_change or (lambda: None)
+        self.gpus = {g.uuid: g for g in sorted(gpus, key=lambda g: g.index)}
+        self.by_index = {g.index: g.uuid for g in gpus}
+        self.devices = {d.id: d for d in devices}
+        self.by_gpu: dict[str, list] = collections.defaultdict(list)
+        for d in devices:
+            self.by_gpu[d.gpu_uuid].append(d)
+        self._lock = threading.RLock()
+        self._faults: dict[str, Fault] = {}
+        self._isolation = Isolation()
+        self._isolation_error = ""
+        self._isolation_unknown: list[str] = []
+        self._applied = {d.id: (True, "") for d in devices}
+        self._transitions: collections.deque = collections.deque(maxlen=TRANSITIONS_KEPT)
+        self._file = FaultFile(state_dir)
+        self._boot = ""
+        self._es: Any = None
+        self._es_error = ""
+        self._unregistered: set[str] = set()
+        self._unsupported: dict[str, str] = {}
+        self._probe_failures: dict[str, str] = {}
+        self._closed_counts = dict.fromkeys(COUNTERS, 0)
+        self.reestablished = 0
+        self.wait_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watch: IsolationWatch | None = None
+        self._next_tick = 0.0
+
+    # -- life ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            self._boot = boot_id()
+        except AgentError as exc:
+            log.warning("%s: reboot-class faults cannot be cleared by a reboot this run", exc)
+        with self._lock:
+            self._load_faults()
+            if self.isolation_file:
+                self._watch = IsolationWatch(self.isolation_file, self._on_isolation)
+                self._watch.start()
+            self._apply("")
+            log.info("health: %s; implementation %s; recovery quiet period %g s; isolation "
+                     "file %s", self.policy.summary(), self.implementation, self.quiet_s,
+                     self.isolation_file or "none")
+            if not self.policy.enabled:
+                return
+            self._open_set()
+        self._thread = threading.Thread(target=self._run, name="health-events", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(WAIT_MS / 1000 + 30)
+            self._thread = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        with self._lock:
+            self._close_set()
+
+    @property
+    def implementation(self) -> str:
+        return "python" if self.events.__name__.endswith("_events_py") else "cython"
+
+    # -- recorded faults ---------------------------------------------------------------------
+
+    def _load_faults(self) -> None:
+        kept, cleared = self._file.load(self._boot)
+        now = time.monotonic()
+        for fault in cleared:
+            log.info("GPU %d %s: healthy again: %s fault recorded before the last reboot is "
+                     "cleared (boot ID changed) [xid=%s action=%s]: %s", fault.gpu_index,
+                     fault.gpu_uuid, fault.action, fault.xid, fault.action, fault.reason)
+            self._record(fault.gpu_uuid, fault.gpu_index, [fault.device_id], True,
+                         f"boot ID changed since {fault.action}-class fault: {fault.reason}",
+                         fault.xid, fault.action)
+        for fault in kept:
+            if fault.device_id not in self.devices:
+                log.warning("GPU %d %s: recorded fault for device %s, which is not advertised "
+                            "now; dropped: %s", fault.gpu_index, fault.gpu_uuid,
+                            fault.device_id, fault.reason)
+                continue
+            if not self.policy.enabled:
+                log.warning("GPU %d %s: recorded %s-class fault not applied, health checks "
+                            "are disabled: %s", fault.gpu_index, fault.gpu_uuid, fault.action,
+                            fault.reason)
+                continue
+            fault.last_event = now
+            self._faults[fault.device_id] = fault
+            if fault.kind in ("lost", "register"):
+                self._unregistered.add(fault.gpu_uuid)
+
+    # -- the event set -----------------------------------------------------------------------
+
+    def _open_set(self) -> None:
+        try:
+            es = self.events.EventSet(self.library_path)
+            es.set_ignored_xids(self.policy.filtered_xids())
+        except (NvmlError, NvmlLibraryError) as exc:
+            message = f"cannot open an NVML event set on {self.library_path}: {exc}"
+            if message != self._es_error:
+                log.error("%s; retrying every %g s (no XID health checks until then)",
+                          message, REOPEN_RETRY_S)
+            self._es_error = message
+            return
+        self._es, self._es_error = es, ""
+        registered = 0
+        for gpu in self.gpus.values():
+            registered += self._register(gpu)
+        log.info("NVML event set open: %d of %d GPUs registered for XID and ECC events",
+                 registered, len(self.gpus))
+
+    def _close_set(self) -> None:
+        es, self._es = self._es, None
+        if es is None:
+            return
+        for key, value in es.counters.items():
+            self._closed_counts[key] += value
+        try:
+            es.close()
+        except NvmlError as exc:
+            log.warning("closing the NVML event set: %s", exc)
+
+    def _register(self, gpu: Any) -> bool:
+        """Register `gpu` on the set; True when it is watched (or has nothing to watch)."""
+        try:
+            mask = self._es.register(gpu.index, EVENT_TYPES)
+        except NvmlError as exc:
+            if exc.is_not_supported:
+                self._not_supported(gpu, str(exc))
+                return False
+            kind, what = (("lost", f"GPU is lost ({exc})") if exc.is_gpu_lost else
+                          ("register", f"cannot register for NVML events ({exc})"))
+            self._fault_gpu(gpu, kind, RESET, what, None, time.monotonic())
+            self._unregistered.add(gpu.uuid)
+            return False
+        self._unregistered.discard(gpu.uuid)
+        if not mask & (EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC):
+            self._not_supported(gpu, f"supported event mask {mask:#x} has neither "
+                                     f"XidCriticalError nor DoubleBitEccError")
+            return False
+        return True
+
+    def _not_supported(self, gpu: Any, why: str) -> None:
+        if gpu.uuid not in self._unsupported:
+            log.warning("GPU %d %s: NVML events not supported (%s): its devices stay Healthy, "
+                        "without XID health checks", gpu.index, gpu.uuid, why)
+        self._unsupported[gpu.uuid] = why
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            es = self._es
+            if es is None:
+                if self._stop.wait(REOPEN_RETRY_S):
+                    break
+                with self._lock:
+                    self._open_set()
+                continue
+            try:
+                event = es.wait(WAIT_MS)
+            except NvmlError as exc:
+                self._on_wait_error(exc)
+                continue
+            if event is not None:
+                self._on_event(event)
+            self._tick()
+
+    def _targets(self, event: Any) -> list | None:
+        """The GPU UUIDs an event concerns (every GPU when it names none); None for a GPU the
+        agent does not know."""
+        if event.uuid is not None:
+            return [event.uuid] if event.uuid in self.gpus else None
+        if event.index is not None:
+            uuid = self.by_index.get(event.index)
+            return [uuid] if uuid is not None else None
+        return list(self.gpus)
+
+    def _on_event(self, event: Any) -> None:
+        action, reason = self.policy.event_action(event.event_type, event.xid)
+        if action not in WITHDRAWING:
+            log.debug("event %s: %s", event, reason)
+            return
+        targets = self._targets(event)
+        if targets is None:
+            log.warning("%s on GPU %s %s, which the agent did not discover: ignored", reason,
+                        event.index, event.uuid)
+            return
+        if event.uuid is None and event.index is None:
+            reason += " (the event names no GPU: every GPU is withdrawn)"
+        kind = "xid" if event.event_type == EVENT_XID_CRITICAL else "ecc"
+        xid = event.xid if kind == "xid" else None
+        now = time.monotonic()
+        with self._lock:
+            touched = 0
+            for uuid in targets:
+                gpu = self.gpus[uuid]
+                devices = [d for d in self.by_gpu.get(uuid, ())
+                           if matches_instance(d, event.gpu_instance_id,
+                                               event.compute_instance_id)]
+                if not devices:
+                    log.info("GPU %d %s: %s [xid=%s action=%s]; it backs no advertised device",
+                             gpu.index, uuid, reason, xid, action)
+                for d in devices:
+                    self._add_fault(d, kind, action, reason, xid, now)
+                    touched += 1
+            if touched:
+                self._apply("")
+
+    def _on_wait_error(self, exc: NvmlError) -> None:
+        with self._lock:
+            self.wait_errors += 1
+            lost = probe.lost(list(self.gpus)) if exc.is_gpu_lost else []
+            now = time.monotonic()
+            if lost:
+                for uuid in lost:
+                    self._fault_gpu(self.gpus[uuid], "lost", RESET,
+                                    f"GPU is lost ({exc}): fallen off the bus or not answering "
+                                    f"NVML", None, now)
+                    self._unregistered.add(uuid)
+            else:
+                for gpu in self.gpus.values():
+                    self._fault_gpu(gpu, "wait", RESET,
+                                    f"NVML event wait failed ({exc}) naming no GPU: withdrawn "
+                                    f"until it passes a probe", None, now)
+            self._apply("")
+            self._close_set()
+            self.reestablished += 1
+            log.info("re-establishing the NVML event set after: %s", exc)
+            self._open_set()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + TICK_S
+        with self._lock:
+            by_gpu: dict[str, list[Fault]] = collections.defaultdict(list)
+            for fault in self._faults.values():
+                by_gpu[fault.gpu_uuid].append(fault)
+            cleared: list[Fault] = []
+            for uuid, faults in by_gpu.items():
+                resets = [f for f in faults if f.action == RESET]
+                if not resets or not all(reset_may_recover(f, now, self.quiet_s) for f in resets):
+                    continue
+                gpu = self.gpus.get(uuid)
+                problem = probe.probe(uuid, gpu.pci_bus_id if gpu is not None else None)
+                if problem is None and uuid in self._unregistered and gpu is not None:
+                    if self._es is None or not self._register(gpu):
+                        problem = "not yet registered for NVML events again"
+                if problem is not None:
+                    if self._probe_failures.get(uuid) != problem:
+                        log.info("GPU %s %s: not recovered yet: %s",
+                                 getattr(gpu, "index", "?"), uuid, problem)
+                    self._probe_failures[uuid] = problem
+                    continue
+                self._probe_failures.pop(uuid, None)
+                for f in resets:
+                    del self._faults[f.device_id]
+                cleared += resets
+            if cleared:
+                first = cleared[0]
+                self._apply(f"reset-class fault cleared: no critical event for "
+                            f"{self.quiet_s:g} s and the GPU answers NVML as itself "
+                            f"(was: {first.reason})")
+
+    # -- faults and isolation ------------------------------------------------------------------
+
+    def _add_fault(self, device: Any, kind: str, action: str, reason: str, xid: int | None,
+                   now: float) -> None:
+        fault = self._faults.get(device.id)
+        if fault is None:
+            self._faults[device.id] = Fault(device.id, device.gpu_uuid, device.gpu_index, kind,
+                                            action, reason, xid, time.time(), self._boot, now)
+            return
+        fault.last_event = now  # a new critical event restarts the quiet period
+        if STRENGTH[action] > STRENGTH[fault.action]:
+            log.info("GPU %d %s: device %s now needs more: %s [xid=%s action=%s] (was: %s)",
+                     device.gpu_index, device.gpu_uuid, device.id, reason, xid, action,
+                     fault.reason)
+            fault.kind, fault.action, fault.reason, fault.xid = kind, action, reason, xid
+            fault.since = time.time()
+            fault.boot_id = self._boot
+
+    def _fault_gpu(self, gpu: Any, kind: str, action: str, reason: str, xid: int | None,
+                   now: float) -> None:
+        for d in self.by_gpu.get(gpu.uuid, ()):
+            self._add_fault(d, kind, action, reason, xid, now)
+
+    def _on_isolation(self, isolation: Isolation | None, error: str | None) -> None:
+        with self._lock:
+            if error is not None:
+                if error != self._isolation_error:
+                    log.error("isolation file: %s; keeping the previous isolation set",
+                              error)
+                self._isolation_error = error
+                self.on_change()
+                return
+            if self._isolation_error:
+                log.info("isolation file %s is valid again", self.isolation_file)
+            self._isolation_error = ""
+            unknown = isolation.unknown(self.devices.values())
+            if unknown and unknown != self._isolation_unknown:
+                log.warning("isolation file %s names %s, which no advertised device is",
+                            self.isolation_file, ", ".join(unknown))
+            self._isolation_unknown = unknown
+            self._isolation = isolation
+            self._apply(f"no longer listed in {self.isolation_file}")
+            self.on_change()
+
+    # -- applying ----------------------------------------------------------------------------
+
+    def _desired(self, device: Any) -> tuple[bool, str]:
+        reasons = []
+        fault = self._faults.get(device.id)
+        if fault is not None:
+            reasons.append(fault.reason)
+        if self._isolation.names(device):
+            reasons.append(f"isolated by {self.isolation_file}")
+        return (not reasons, "; ".join(reasons))
+
+    def _apply(self, why_healthy: str) -> None:
+        """Send every change of health (or reason) to the sink as one batch, log each GPU's
+        transition once, record it, persist the faults."""
+        changes = {}
+        for device_id, device in self.devices.items():
+            state = self._desired(device)
+            if state != self._applied[device_id]:
+                changes[device_id] = state
+        if changes:
+            flipped = {i: s for i, s in changes.items() if s[0] != self._applied[i][0]}
+            self._applied.update(changes)
+            self.sink(changes)
+            by_gpu: dict[tuple, list[str]] = collections.defaultdict(list)
+            for device_id, (healthy, reason) in flipped.items():
+                d = self.devices[device_id]
+                by_gpu[(d.gpu_uuid, d.gpu_index, healthy, reason)].append(device_id)
+            for (uuid, index, healthy, reason), ids in sorted(by_gpu.items(),
+                                                              key=lambda kv: kv[0][1]):
+                fault = self._faults.get(ids[0])
+                xid, action = (fault.xid, fault.action) if fault else (None, None)
+                if healthy:
+                    log.info("GPU %d %s: healthy again (%s); returned: %s", index, uuid,
+                             why_healthy, ", ".join(ids))
+                    self._record(uuid, index, ids, True, why_healthy, None, None)
+                else:
+                    log.info("GPU %d %s: unhealthy [xid=%s action=%s]: %s; withdrawn: %s",
+                             index, uuid, xid, action or "isolate", reason, ", ".join(ids))
+                    self._record(uuid, index, ids, False, reason, xid, action or "isolate")
+        self._file.save([f for f in self._faults.values()])
+        if changes:
+            self.on_change()
+
+    def _record(self, uuid: str, index: int, ids: list[str], healthy: bool, reason: str,
+                xid: int | None, action: str | None) -> None:
+        self._transitions.append({"time": time.time(), "gpuIndex": index, "gpuUuid": uuid,
+                                  "devices": list(ids), "healthy": healthy, "reason": reason,
+                                  "xid": xid, "action": action})
+
+    # -- status ------------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._closed_counts)
+            if self._es is not None:
+                for key, value in self._es.counters.items():
+                    out[key] += value
+            return out
+
+    def unhealthy(self) -> dict[str, str]:
+        """device id -> reason, for every Unhealthy device."""
+        with self._lock:
+            return {i: s[1] for i, s in self._applied.items() if not s[0]}
+
+    def status(self) -> dict:
+        """The health part of status.json."""
+        with self._lock:
+            unhealthy = []
+            for device_id, (healthy, reason) in sorted(self._applied.items()):
+                if healthy:
+                    continue
+                d = self.devices[device_id]
+                f = self._faults.get(device_id)
+                unhealthy.append({
+                    "id": device_id, "gpuIndex": d.gpu_index, "gpuUuid": d.gpu_uuid,
+                    "reason": reason, "xid": f.xid if f else None,
+                    "action": f.action if f else "isolate",
+                    "since": f.since if f else None,
+                    "isolated": self._isolation.names(d),
+                })
+            return {
+                "enabled": self.policy.enabled,
+                "policy": self.policy.summary(),
+                "implementation": self.implementation,
+                "quietPeriodS": self.quiet_s,
+                "eventSet": "open" if self._es is not None else (self._es_error or "closed"),
+                "counters": {**self.counters, "waitErrors": self.wait_errors,
+                             "reestablished": self.reestablished},
+                "unsupported": {self.gpus[u].index: why for u, why in self._unsupported.items()
+                                if u in self.gpus},
+                "isolation": {"file": self.isolation_file, "error": self._isolation_error,
+                              "indexes": sorted(self._isolation.indexes),
+                              "uuids": sorted(self._isolation.uuids),
+                              "unknown": list(self._isolation_unknown)},
+                "stateError": self._file.error,
+                "unhealthy": unhealthy,
+                "transitions": list(self._transitions)[-20:],
+            }
+
+
+def format_status(doc: dict) -> list[str]:
+    """`gpu-agent status` lines for the health part of status.json."""
+    if not doc:
+        return []
+    c = doc.get("counters", {})
+    lines = [f"health: {'on' if doc.get('enabled') else 'off'} ({doc.get('implementation')}; "
+             f"{doc.get('policy')}); recovery quiet period {doc.get('quietPeriodS'):g} s",
+             f"  events: {c.get('delivered', 0)} delivered, {c.get('ignored', 0)} ignored XIDs, "
+             f"{c.get('sbe', 0)} single-bit ECC; wait errors {c.get('waitErrors', 0)}, event "
+             f"set {doc.get('eventSet')}"]
+    iso = doc.get("isolation", {})
+    if iso.get("file"):
+        named = iso.get("indexes", []) + iso.get("uuids", [])
+        lines.append(f"  isolation file {iso['file']}: "
+                     + (", ".join(named) if named else "nothing isolated")
+                     + (f"; ERROR: {iso['error']}" if iso.get("error") else ""))
+    if doc.get("stateError"):
+        lines.append(f"  state: {doc['stateError']}")
+    for index, why in sorted(doc.get("unsupported", {}).items()):
+        lines.append(f"  GPU {index}: no NVML events ({why})")
+    for u in doc.get("unhealthy", []):
+        lines.append(f"  unhealthy: {u['id']} (GPU {u['gpuIndex']} {u['gpuUuid']}) "
+                     f"[xid={u['xid']} action={u['action']}]: {u['reason']}")
+    recent = doc.get("transitions", [])
+    if recent:
+        lines.append("  recent transitions:")
+        for t in recent[-10:]:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t["time"]))
+            state = "healthy" if t["healthy"] else "unhealthy"
+            extra = "" if t["healthy"] else f" [xid={t['xid']} action={t['action']}]"
+            lines.append(f"    {stamp} GPU {t['gpuIndex']} {t['gpuUuid']} {state}{extra}: "
+                         f"{t['reason']}")
+    return lines
+
+
+def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
+                        devices: Sequence[Any], sink: Sink,
+                        on_change: Callable[[], None] | None = None) -> HealthMonitor:
+    """A monitor set up from the agent's Config (agent.health options)."""
+    policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions)
+    return HealthMonitor(library_path=library_path, gpus=gpus, devices=devices, policy=policy,
+                         sink=sink, state_dir=cfg.state_dir,
+                         quiet_period_s=cfg.recovery_quiet_period,
+                         isolation_file=cfg.unhealthy_devices_file, on_change=on_change)
+
+
+__all__ = ["ACTION_TEXT", "HealthMonitor", "format_status", "matches_instance",
+           "monitor_from_config"]

@@ -1,0 +1,133 @@
+"""Faults and how they end: the record of why a device is withdrawn, the recovery rule of its
+class, and the small state file that keeps withdrawn GPUs withdrawn across agent restarts.
+
+Owns: `Fault` (one device's reason to be Unhealthy: XID or event, action class, since when),
+the rules (`reset_may_recover`: the GPU answers NVML as itself, no critical event for the quiet
+period, a probe passes; reboot-class faults end only when the host's boot ID changes), and
+`FaultFile`: STATE_DIR/health.json, written atomically (temp file, fsync, rename), read at
+start where a reboot since the fault (a new boot ID) clears reset- and reboot-class faults
+alike. A corrupt file is kept aside as health.json.corrupt-<time> and reported. Must not call
+NVML (the monitor passes probe results in) nor touch devices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from agent.health.policy import ACTIONS, REBOOT, RESET
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "health.json"
+FORMAT_VERSION = 1
+KINDS = ("xid", "ecc", "lost", "register", "wait")
+
+
+@dataclass
+class Fault:
+    """Why one advertised device is withdrawn. `kind`: xid, ecc (double-bit ECC event), lost
+    (GPU_IS_LOST), register (event registration failed), wait (a wait error naming no GPU)."""
+
+    device_id: str
+    gpu_uuid: str
+    gpu_index: int
+    kind: str
+    action: str  # RESET or REBOOT
+    reason: str
+    xid: int | None = None
+    since: float = 0.0  # wall clock (time.time()) of the first event
+    boot_id: str = ""  # the boot the fault happened in
+    last_event: float = 0.0  # monotonic time of the latest critical event (not persisted)
+
+    def to_data(self) -> dict:
+        data = asdict(self)
+        del data["last_event"]
+        return data
+
+    @classmethod
+    def from_data(cls, data: dict) -> Fault:
+        if not isinstance(data, dict):
+            raise ValueError(f"a fault must be a mapping, got {type(data).__name__}")
+        fault = cls(**{k: data[k] for k in ("device_id", "gpu_uuid", "gpu_index", "kind",
+                                             "action", "reason", "xid", "since", "boot_id")})
+        if fault.action not in (RESET, REBOOT) or fault.kind not in KINDS:
+            raise ValueError(f"fault of {fault.device_id}: bad action {fault.action!r} or "
+                             f"kind {fault.kind!r}")
+        return fault
+
+
+STRENGTH = {a: i for i, a in enumerate(ACTIONS)}  # ignore < application < reset < reboot
+
+
+def reset_may_recover(fault: Fault, now: float, quiet_s: float) -> bool:
+    """The time part of the reset rule: no critical event for `quiet_s` (monotonic `now`).
+    The caller still needs a passing probe (and, for lost/register faults, a registration)."""
+    return fault.action == RESET and now - fault.last_event >= quiet_s
+
+
+class FaultFile:
+    """STATE_DIR/health.json: the faults to keep across restarts, with the boot they were
+    recorded in. `error` holds the last problem reading or writing it ("" when none)."""
+
+    def __init__(self, state_dir: str | None):
+        self.path = os.path.join(state_dir, FILE_NAME) if state_dir else None
+        self.error = ""
+        self._last = None
+
+    def load(self, boot_id: str) -> tuple[list[Fault], list[Fault]]:
+        """(faults still in force, faults cleared by a reboot since; with `boot_id` "" (unknown)
+        every fault stays in force). A missing file is no fault; a corrupt one is renamed aside, reported in `error`, and counts as none."""
+        if self.path is None:
+            return [], []
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                doc = json.load(f)
+            if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
+                raise ValueError(f"not a version {FORMAT_VERSION} health state document")
+            faults = [Fault.from_data(item) for item in doc.get("faults", [])]
+        except FileNotFoundError:
+            return [], []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            aside = f"{self.path}.corrupt-{int(time.time())}"
+            try:
+                os.replace(self.path, aside)
+                kept = f"kept aside as {aside}"
+            except OSError as move_exc:
+                kept = f"could not be moved aside ({move_exc})"
+            self.error = (f"cannot read the health state {self.path}: {exc}; it was {kept}; "
+                          f"starting with no recorded faults")
+            log.error("%s", self.error)
+            return [], []
+        kept_faults, cleared = [], []
+        for fault in faults:
+            (cleared if boot_id and fault.boot_id != boot_id else kept_faults).append(fault)
+        return kept_faults, cleared
+
+    def save(self, faults: list[Fault]) -> None:
+        """Write the faults (atomically); only when they differ from the last write."""
+        if self.path is None:
+            return
+        doc = {"version": FORMAT_VERSION,
+               "faults": sorted((f.to_data() for f in faults), key=lambda d: d["device_id"])}
+        if doc == self._last:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            message = f"cannot write the health state {self.path}: {exc}"
+            if message != self.error:
+                log.error("%s; withdrawn GPUs would come back after an agent restart", message)
+            self.error = message
+            return
+        self._last = doc
+        self.error = ""

@@ -1,0 +1,183 @@
+"""Health end to end: `gpu-agent run` as a subprocess on the simulated NVML and the simulated
+kubelet, with the compiled event loop and with its pure-Python twin (GPU_AGENT_PURE_PYTHON=1).
+What kubelet sees is read from the snapshots the simulated kubelet received over ListAndWatch.
+
+Covers XID 79 → that GPU Unhealthy in the next snapshot and an ignored XID changing nothing,
+`gpu-agent status` showing it, an event naming no GPU, a lost GPU and its return, a GPU without
+events, DP_DISABLE_HEALTHCHECKS through the environment, recovery of a reset-class error, a
+reboot-class error kept across agent restarts until the boot ID changes, and the isolation file
+added, edited, made malformed and removed. Nothing here asserts on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.sim import control
+from agent.sim.profile import load_profile
+from tests.conftest import run_gpu_agent
+from tests.daemon_harness import GPU, Node, clean_env
+
+UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
+
+
+@pytest.fixture(params=["cython", "python"])
+def impl(request) -> dict:
+    """Extra environment for the agent: which event-loop implementation it runs."""
+    return {"GPU_AGENT_PURE_PYTHON": "1"} if request.param == "python" else {}
+
+
+@pytest.fixture
+def node(tmp_path):
+    with Node() as n:
+        n.boot_file = str(tmp_path / "boot_id")
+        Path(n.boot_file).write_text("boot-a\n")
+        yield n
+
+
+def start(node: Node, impl: dict, *args: str, **env: str):
+    agent = node.agent("--recovery-quiet-period", "60s", *args,
+                       env=node.env(GPU_AGENT_BOOT_ID_FILE=node.boot_file, **impl, **env))
+    res = agent.wait_registered()
+    return agent, res.snapshot_seq
+
+
+def first_snapshot(node: Node) -> object:
+    """The first snapshot the current registration sent."""
+    registration = node.client.state().resource(GPU).registrations
+    return next(s for s in node.client.snapshots(GPU) if s.registration == registration)
+
+
+def unhealthy(snapshot) -> set[str]:
+    return {d.id for d in snapshot.devices if d.health != "Healthy"}
+
+
+def next_snapshot(node: Node, agent, after: int):
+    """The first ListAndWatch snapshot after seq `after`."""
+    agent.wait_for(lambda s: s.resource(GPU).snapshot_seq > after, f"a snapshot after #{after}")
+    return node.client.snapshots(GPU, after_seq=after)[0]
+
+
+def wait_unhealthy(node: Node, agent, ids: set[str], what: str):
+    state = agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == ids, what)
+    return state.resource(GPU)
+
+
+def status(node: Node) -> str:
+    return run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
+
+
+def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(node, impl):
+    agent, seq = start(node, impl)
+    control.inject_xid(node.ctl, 3, 13)
+    control.inject_xid(node.ctl, 3, 79)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[3]}, "XID 13 made no snapshot of its own"
+    assert len(snap.devices) == 8
+    agent.wait_log(f"GPU 3 {UUIDS[3]}: unhealthy [xid=79 action=reboot]: XID 79 (GPU has fallen "
+                   f"off the bus): node reboot required; withdrawn: {UUIDS[3]}")
+    res = node.client.state().resource(GPU)
+    assert res.allocatable == 7
+    out = status(node)
+    assert f"unhealthy: {UUIDS[3]} (GPU 3 {UUIDS[3]}) [xid=79 action=reboot]" in out
+    assert f"GPU 3 {UUIDS[3]} unhealthy [xid=79 action=reboot]: XID 79" in out
+    assert "1 delivered, 1 ignored XIDs" in out
+    assert f"GPU 3 {UUIDS[3]} NUMA 0: unhealthy (XID 79" in out
+
+
+def test_event_naming_no_gpu_withdraws_every_device_in_one_snapshot(node, impl):
+    agent, seq = start(node, impl)
+    control.inject_xid(node.ctl, None, 48)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == set(UUIDS)
+
+
+def test_lost_gpu_is_withdrawn_and_returns_when_restored(node, impl):
+    agent, seq = start(node, impl, "--recovery-quiet-period", "0.5s")
+    control.lose(node.ctl, 2)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[2]}
+    control.restore(node.ctl, 2)
+    res = wait_unhealthy(node, agent, set(), "GPU 2 back")
+    # the event set was re-established with GPU 2 on it: an XID there is seen again
+    control.inject_xid(node.ctl, 2, 48)
+    wait_unhealthy(node, agent, {UUIDS[2]}, "GPU 2 withdrawn by XID 48")
+    assert res.allocatable == 8
+    assert f"GPU 2 {UUIDS[2]}: healthy again (reset-class fault cleared" in agent.log
+
+
+def test_gpu_whose_events_are_not_supported_stays_healthy_with_one_warning(node, impl):
+    agent, seq = start(node, impl, GPU_AGENT_SIM_FAULTS="events_unsupported=3")
+    control.inject_xid(node.ctl, 4, 48)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[4]}
+    assert agent.log.count(f"GPU 3 {UUIDS[3]}: NVML events not supported") == 1
+    assert "GPU 3: no NVML events" in status(node)
+
+
+def test_disable_healthchecks_from_the_environment(node, impl):
+    agent, seq = start(node, impl, DP_DISABLE_HEALTHCHECKS="48", DP_ENABLE_HEALTHCHECKS="31")
+    control.inject_xid(node.ctl, 1, 48)
+    control.inject_xid(node.ctl, 2, 31)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[2]}
+
+
+def test_reset_class_error_recovers_after_the_quiet_period(node, impl):
+    agent, seq = start(node, impl, "--recovery-quiet-period", "0.5s")
+    control.inject_xid(node.ctl, 6, 48)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[6]}
+    back = next_snapshot(node, agent, snap.seq)
+    assert unhealthy(back) == set()
+    assert "reset-class fault cleared" in status(node)
+
+
+def test_reboot_class_error_survives_restarts_until_the_boot_id_changes(node, impl):
+    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+    control.inject_xid(node.ctl, 5, 79)
+    assert unhealthy(next_snapshot(node, agent, seq)) == {UUIDS[5]}
+    assert agent.stop() == 0
+    # same boot: the restarted agent's first snapshot already withholds GPU 5
+    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+    assert unhealthy(first_snapshot(node)) == {UUIDS[5]}
+    assert agent.stop() == 0
+    # a reboot: the boot ID changed, the fault is cleared
+    Path(node.boot_file).write_text("boot-b\n")
+    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+    assert unhealthy(first_snapshot(node)) == set()
+    assert f"GPU 5 {UUIDS[5]}: healthy again: reboot fault recorded before the last reboot " \
+           f"is cleared (boot ID changed)" in agent.log
+    with open(os.path.join(node.state, "health.json")) as f:
+        assert json.load(f)["faults"] == []
+
+
+def write_isolation(node: Node, text: str) -> None:
+    tmp = node.isolation + ".tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, node.isolation)
+
+
+def test_isolation_file_added_edited_malformed_and_removed(node):
+    agent, seq = start(node, {})
+    write_isolation(node, json.dumps({"index": [1]}))
+    wait_unhealthy(node, agent, {UUIDS[1]}, "GPU 1 isolated")
+    Path(node.isolation).write_text(json.dumps({"index": [], "uuid": [UUIDS[6], UUIDS[7]]}))
+    res = wait_unhealthy(node, agent, {UUIDS[6], UUIDS[7]}, "GPUs 6 and 7 isolated instead")
+    seq = res.snapshot_seq
+    write_isolation(node, '{"index": [0,')  # malformed: reported, the previous set stays
+    agent.wait_log("isolation file: ")
+    assert "not valid JSON" in agent.log and "keeping the previous isolation set" in agent.log
+    assert "ERROR: " in status(node) and "not valid JSON" in status(node)
+    assert node.client.state().resource(GPU).snapshot_seq == seq
+    write_isolation(node, json.dumps({"index": ["two"]}))
+    agent.wait_log("'two' is not a GPU index")
+    os.unlink(node.isolation)
+    wait_unhealthy(node, agent, set(), "every GPU back")
+    assert f"GPU 6 {UUIDS[6]}: healthy again (no longer listed in {node.isolation})" in agent.log
+    assert f"GPU 1 {UUIDS[1]}: unhealthy [xid=None action=isolate]: isolated by " \
+           f"{node.isolation}" in agent.log
