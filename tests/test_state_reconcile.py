@@ -1,7 +1,8 @@
 """The reconciliation rules (agent.state.reconcile) on plain data: attribution by exact device
 set (NUMA-split listings merged), pods that ended, pending allocations and their grace, another
-boot's records, device reuse (newest Allocate wins), GPUs matched by UUID or by index, and no
-pod-based drop while podresources does not answer.
+boot's records, device reuse (newest Allocate wins), GPUs matched by UUID or by index, no
+pod-based drop while podresources does not answer, and adoption of listed containers no record
+matches.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ RES = "nvidia.com/gpu"
 NOW = 10_000.0
 
 
-class Gpu(NamedTuple):
-    uuid: str
-    index: int
+class Dev(NamedTuple):
+    """An advertised full-GPU device (the fields of agent.rm.devices.Device reconcile reads)."""
+
+    id: str
+    gpu_uuid: str
+    gpu_index: int
 
 
-GPUS = [Gpu(f"GPU-{i}", i) for i in range(8)]
+def gpus(*pairs: tuple[str, int]) -> dict:
+    return {RES: [Dev(uuid, uuid, index) for uuid, index in pairs]}
+
+
+GPUS = gpus(*((f"GPU-{i}", i) for i in range(8)))
 
 
 def rec(rid: str, *indexes: int, t: float = NOW - 10, boot: str = "B", pod: PodRef | None = None,
@@ -37,8 +45,9 @@ def listed(ns: str, name: str, container: str, *indexes: int, resource: str = RE
     return PodDevices(ns, name, container, resource, tuple(f"GPU-{i}" for i in indexes))
 
 
-def run(records, listing, gpus=GPUS, keyed_by="uuid", boot="B", **kw):
-    return reconcile(records, listing, gpus=gpus, keyed_by=keyed_by, boot=boot, now=NOW, **kw)
+def run(records, listing, devices=GPUS, keyed_by="uuid", boot="B", **kw):
+    return reconcile(records, listing, devices=devices, keyed_by=keyed_by, boot=boot, now=NOW,
+                     **kw)
 
 
 def by_id(outcome):
@@ -104,7 +113,8 @@ def test_devices_allocated_twice_belong_to_the_newest_allocate():
 def test_a_reused_device_does_not_reattribute_an_ended_pods_record():
     out = run([rec("a", 3, t=NOW - 100, pod=PodRef("ml", "a", "main"))],
               [listed("ml", "b", "main", 3)])
-    assert out.kept == () and [why for _, why in out.dropped] == ["pod ml/a has ended"]
+    assert [why for _, why in out.dropped] == ["pod ml/a has ended"]
+    assert [r.pod for r in out.kept] == [PodRef("ml", "b", "main")] and out.kept == out.adopted
 
 
 def test_resources_are_matched_separately():
@@ -113,8 +123,8 @@ def test_resources_are_matched_separately():
 
 
 def test_uuid_key_drops_records_whose_gpu_uuid_is_gone_and_follows_a_moved_index():
-    moved = [Gpu("GPU-0", 4), Gpu("GPU-X", 1)]
-    out = run([rec("a", 0), rec("b", 1)], None, gpus=moved, keyed_by="uuid")
+    moved = gpus(("GPU-0", 4), ("GPU-X", 1))
+    out = run([rec("a", 0), rec("b", 1)], None, devices=moved, keyed_by="uuid")
     assert by_id(out)["a"].gpus == (GpuRef("GPU-0", 4),)
     assert [(r.id, why) for r, why in out.dropped] == [
         ("b", "GPU GPU-1 (index 1) is no longer on this host (checkpointDeviceIDStrategy uuid)")]
@@ -122,10 +132,10 @@ def test_uuid_key_drops_records_whose_gpu_uuid_is_gone_and_follows_a_moved_index
 
 
 def test_index_key_keeps_records_across_a_uuid_change():
-    changed = [Gpu(f"GPU-new-{i}", i) for i in range(4)]
+    changed = gpus(*((f"GPU-new-{i}", i) for i in range(4)))
     pod = PodRef("ml", "train", "main")
     out = run([rec("a", 0, 1, pod=pod), rec("b", 6)], [listed("ml", "train", "main", 0, 1)],
-              gpus=changed, keyed_by="index")
+              devices=changed, keyed_by="index")
     kept = by_id(out)
     # kubelet still names the devices by the IDs it was given; the GPUs behind them are new
     assert kept["a"].devices == ("GPU-0", "GPU-1") and kept["a"].pod == pod
@@ -134,7 +144,7 @@ def test_index_key_keeps_records_across_a_uuid_change():
 
 
 def test_unknown_gpus_are_not_a_reason_to_drop():
-    out = run([rec("a", 7)], None, gpus=None)
+    out = run([rec("a", 7)], None, devices=None)
     assert len(out.kept) == 1 and out.dropped == ()
 
 
@@ -163,4 +173,22 @@ def test_property_reconciling_again_changes_nothing(allocs, listing_spec):
     for r in first.kept:
         if r.pod is not None:
             assert set(r.devices) == devices[r.pod]
-    assert len(first.kept) + len(first.dropped) == len(records)
+    assert len(first.kept) - len(first.adopted) + len(first.dropped) == len(records)
+    # every listed container has exactly one record now (its own, or an adopted one)
+    assert set(claims) == set(devices)
+
+
+def test_a_listed_container_without_a_record_is_adopted_with_its_gpus():
+    out = run([], [listed("ml", "train", "main", 4), listed("ml", "train", "main", 5),
+                   listed("ml", "other", "c", 1, resource="example.com/nic"),
+                   listed("ml", "old", "c", 9)])
+    [adopted] = out.adopted
+    assert adopted.pod == PodRef("ml", "train", "main") and adopted.response is None
+    assert adopted.devices == ("GPU-4", "GPU-5")
+    assert adopted.gpus == (GpuRef("GPU-4", 4), GpuRef("GPU-5", 5))
+    assert adopted.time == NOW and adopted.boot == "B" and out.kept == (adopted,)
+    # the next pass matches it like any record: same ID, nothing new
+    again = run(out.kept, [listed("ml", "train", "main", 4, 5)])
+    assert again.kept == out.kept and again.adopted == () and again.attributed == ()
+    # no adoption while the advertised devices are not known
+    assert run([], [listed("ml", "train", "main", 4)], devices=None).kept == ()

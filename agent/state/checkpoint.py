@@ -1,7 +1,8 @@
 """The checkpoint file format: what one allocation record holds and how the file is framed.
 
 Owns: `Record` (one container's allocation: resource, device IDs, the physical GPUs behind
-them, the Allocate response given, when, in which boot, and the pod it was attributed to),
+them, the Allocate response given (None for an allocation adopted from podresources, whose
+response the agent never saw), when, in which boot, and the pod it was attributed to),
 `Checkpoint` (the records and when/where they were written), and `encode` / `decode`.
 
 The file is one msgpack map, the frame, which every version of gpu-agent keeps as it is:
@@ -93,8 +94,8 @@ class Record:
     resource: str
     devices: tuple[str, ...]  # the device IDs kubelet asked for, in request order
     gpus: tuple[GpuRef, ...]  # the physical GPUs behind them
-    response: Response
-    time: float  # unix time of the Allocate
+    response: Response | None  # None: adopted from podresources, the response is not known
+    time: float  # unix time of the Allocate (or of the adoption)
     boot: str  # the host's boot ID at that time
     pod: PodRef | None = None  # None until podresources attributes it
     confirmed: float | None = None  # unix time podresources last listed it
@@ -122,18 +123,19 @@ class Checkpoint:
 
 def _record_data(r: Record) -> dict:
     resp = r.response
+    response = None if resp is None else {
+        "envs": dict(resp.envs),
+        "mounts": [list(m) for m in resp.mounts],
+        "devices": [list(d) for d in resp.devices],
+        "annotations": dict(resp.annotations),
+        "cdiDevices": list(resp.cdi_devices),
+    }
     return {
         "id": r.id,
         "resource": r.resource,
         "devices": list(r.devices),
         "gpus": [[g.uuid, g.index] for g in r.gpus],
-        "response": {
-            "envs": dict(resp.envs),
-            "mounts": [list(m) for m in resp.mounts],
-            "devices": [list(d) for d in resp.devices],
-            "annotations": dict(resp.annotations),
-            "cdiDevices": list(resp.cdi_devices),
-        },
+        "response": response,
         "time": float(r.time),
         "boot": r.boot,
         "pod": list(r.pod) if r.pod is not None else None,
@@ -219,6 +221,19 @@ _RECORD_KEYS = ("id", "resource", "devices", "gpus", "response", "time", "boot",
 _RESPONSE_KEYS = ("envs", "mounts", "devices", "annotations", "cdiDevices")
 
 
+def _response(value: Any, where: str) -> Response:
+    r = _map(value, _RESPONSE_KEYS, f"{where}.response")
+    return Response(
+        envs=_str_map(r["envs"], f"{where}.response.envs"),
+        mounts=tuple(MountRec(*m) for m in
+                     _triples(r["mounts"], (str, str, bool), f"{where}.response.mounts")),
+        devices=tuple(DeviceSpecRec(*s) for s in
+                      _triples(r["devices"], (str, str, str), f"{where}.response.devices")),
+        annotations=_str_map(r["annotations"], f"{where}.response.annotations"),
+        cdi_devices=_strs(r["cdiDevices"], f"{where}.response.cdiDevices"),
+    )
+
+
 def _record(value: Any, where: str) -> Record:
     d = _map(value, _RECORD_KEYS, where)
     gpus = []
@@ -230,16 +245,7 @@ def _record(value: Any, where: str) -> Record:
             raise _bad(at, f"expected [uuid, index], got {len(g)} items")
         gpus.append(GpuRef(_typed(g[0], str, "a string", f"{at}[0]"),
                            _typed(g[1], int, "an integer", f"{at}[1]")))
-    r = _map(d["response"], _RESPONSE_KEYS, f"{where}.response")
-    response = Response(
-        envs=_str_map(r["envs"], f"{where}.response.envs"),
-        mounts=tuple(MountRec(*m) for m in
-                     _triples(r["mounts"], (str, str, bool), f"{where}.response.mounts")),
-        devices=tuple(DeviceSpecRec(*s) for s in
-                      _triples(r["devices"], (str, str, str), f"{where}.response.devices")),
-        annotations=_str_map(r["annotations"], f"{where}.response.annotations"),
-        cdi_devices=_strs(r["cdiDevices"], f"{where}.response.cdiDevices"),
-    )
+    response = None if d["response"] is None else _response(d["response"], where)
     pod = None
     if d["pod"] is not None:
         parts = _strs(d["pod"], f"{where}.pod")

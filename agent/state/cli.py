@@ -35,7 +35,8 @@ def record_json(r: Record) -> dict:
         "confirmed": r.confirmed,
         "boot": r.boot,
         "id": r.id,
-        "response": {
+        "adopted": r.response is None,
+        "response": None if r.response is None else {
             "envs": dict(r.response.envs),
             "mounts": [m._asdict() for m in r.response.mounts],
             "devices": [d._asdict() for d in r.response.devices],
@@ -67,7 +68,8 @@ def show_text(path: str, cp: Checkpoint | None) -> str:
         for r in cp.records:
             who = (f"pod {r.pod.namespace}/{r.pod.name} container {r.pod.container}" if r.pod
                    else "no pod yet (podresources has not listed it)")
-            lines.append(f"{who}: {r.resource} since {_since(r.time)}")
+            how = " (adopted from podresources)" if r.response is None else ""
+            lines.append(f"{who}: {r.resource} since {_since(r.time)}{how}")
             lines.append(f"  devices: {', '.join(r.devices)}")
             lines.append("  GPUs: " + ", ".join(f"{g.index} ({g.uuid})" for g in r.gpus))
     for aside in set_aside_files(path):

@@ -265,14 +265,15 @@ class Journal:
 
     def apply(self, outcome: Outcome) -> bool:
         """Apply a reconciliation of (a snapshot of) the records: drop what it dropped,
-        update what it kept. Records appended since the snapshot are untouched. Writes when
-        anything changed; True then. StateError if the write failed (kept in memory: the next
-        write carries it)."""
+        update what it kept, add what it adopted. Records appended since the snapshot are
+        untouched. Writes when anything changed; True then. StateError if the write failed
+        (kept in memory: the next write carries it)."""
+        adopted = {r.id for r in outcome.adopted}
         with self._cond:
             drop = [r.id for r, _ in outcome.dropped if r.id in self._records]
-            update = [r for r in outcome.kept
-                      if r.id in self._records and self._records[r.id] != r]
-        if not drop and not update:
+            update = [r for r in outcome.kept if self._records.get(r.id, r) != r]
+            add = [r for r in outcome.kept if r.id in adopted and r.id not in self._records]
+        if not drop and not update and not add:
             return False
 
         def change(records: dict) -> None:
@@ -281,6 +282,8 @@ class Journal:
             for r in update:
                 if r.id in records:
                     records[r.id] = r
+            for r in add:
+                records.setdefault(r.id, r)
 
         self._submit(change=change)
         return True

@@ -3,14 +3,14 @@
 Owns: the rules, as a pure function of plain data (`reconcile`): the records, what kubelet's
 podresources List reported (`PodDevices`, or None when it could not be asked), the GPUs on the
 host now (or None before discovery), the checkpoint key strategy, this boot's ID and the time.
-It returns an `Outcome`: the records kept (attributed, re-keyed), those dropped with the
-reason, and what changed. Must not talk to kubelet, NVML or files; agent.kubelet.podresources
+It returns an `Outcome`: the records kept (attributed, re-keyed, adopted), those dropped with
+the reason, and what changed. Must not talk to kubelet, NVML or files; agent.kubelet.podresources
 asks kubelet and agent.state.journal applies the outcome.
 
 The rules (docs/state.md says them for operators):
-1. GPUs (when known): under key `uuid` a record's GPU is found by UUID (its index is updated
-   if it moved); under `index` by index (its UUID is updated if it changed, e.g. after a VM's
-   cold migration). A record with a GPU not found is dropped.
+1. GPUs (when the advertised devices are known): under key `uuid` a record's GPU is found by
+   UUID (its index is updated if it moved); under `index` by index (its UUID is updated if it
+   changed, e.g. after a VM's cold migration). A record with a GPU not found is dropped.
 2. Pods (when podresources answered): kubelet lists each container's device IDs per resource.
    Records are matched newest first on resource and the exact set of device IDs; each listed
    container claims at most one record. A matched record gets the pod and `confirmed`.
@@ -21,11 +21,15 @@ The rules (docs/state.md says them for operators):
    after Allocate has returned).
 4. Without a podresources answer no record is dropped for pod reasons: not even those of
    another boot, which wait for the first answer.
+5. A listed container no record matches, holding only devices the agent advertises now, is
+   adopted: a record with its pod, the GPUs behind its devices and no response (the agent
+   never saw it: the checkpoint was set aside, or the pod predates gpu-agent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -59,13 +63,10 @@ class Outcome:
     kept: tuple[Record, ...]
     dropped: tuple[tuple[Record, str], ...]  # (record as it was, why)
     attributed: tuple[Record, ...]  # kept records that got a pod (or another pod) this time
+    adopted: tuple[Record, ...]  # new records for listed containers no record matched
     rekeyed: tuple[tuple[Record, str], ...]  # kept records whose GPU UUID/index was updated
     pending: int  # kept records no pod has claimed yet
     listed: bool  # podresources answered
-
-    @property
-    def changed_ids(self) -> set[str]:
-        return {r.id for r in self.attributed} | {r.id for r, _ in self.rekeyed}
 
 
 def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
@@ -101,18 +102,26 @@ def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
     return r, ""
 
 
+def adopted_id(e: PodDevices) -> str:
+    """A stable record ID for an adopted container (the same on every reconciliation)."""
+    key = "\0".join((e.resource, e.namespace, e.name, e.container, *sorted(e.device_ids)))
+    return "pr-" + hashlib.sha256(key.encode()).hexdigest()[:29]
+
+
 def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *,
-              gpus: Sequence[Any] | None, keyed_by: str, boot: str, now: float,
-              grace: float = UNATTRIBUTED_GRACE_S) -> Outcome:
-    """Apply the rules of this module to `records`. `gpus`: objects with `.uuid` and
-    `.index` (the GPUs discovered now), or None when not known yet; `listing`: podresources'
-    answer, or None when it could not be had."""
+              devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
+              now: float, grace: float = UNATTRIBUTED_GRACE_S) -> Outcome:
+    """Apply the rules of this module to `records`. `devices`: the devices advertised now by
+    resource (objects with `.id`, `.gpu_uuid` and `.gpu_index`, agent.rm.devices.Device),
+    or None when not known yet; `listing`: podresources' answer, or None when it could not
+    be had."""
     dropped: list[tuple[Record, str]] = []
     rekeyed: list[tuple[Record, str]] = []
     current: list[Record] = []
-    if gpus is not None:
-        by_uuid = {g.uuid: GpuRef(g.uuid, int(g.index)) for g in gpus}
-        by_index = {int(g.index): GpuRef(g.uuid, int(g.index)) for g in gpus}
+    if devices is not None:
+        gpus = {GpuRef(d.gpu_uuid, int(d.gpu_index)) for ds in devices.values() for d in ds}
+        by_uuid = {g.uuid: g for g in gpus}
+        by_index = {g.index: g for g in gpus}
         for r in records:
             resolved, note = _resolve_gpus(r, by_uuid, by_index, keyed_by)
             if resolved is None:
@@ -126,7 +135,7 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
 
     if listing is None:
         pending = sum(1 for r in current if r.pod is None)
-        return Outcome(tuple(current), tuple(dropped), (), tuple(rekeyed), pending, False)
+        return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False)
 
     merged = merge_listing(listing)
     by_set: dict[tuple[str, frozenset], list[PodRef]] = {}
@@ -175,8 +184,21 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
             dropped.append((r, f"no pod claimed it within {grace:g} s of the Allocate"))
         else:
             kept.append(r)
+    adopted = []
+    for e in merged:
+        if (e.resource, e.pod) in claimed or devices is None:
+            continue
+        known = {d.id: d for d in devices.get(e.resource, ())}
+        if not e.device_ids or any(d not in known for d in e.device_ids):
+            continue  # another plugin's resource, or devices we do not advertise (any more)
+        adopted.append(Record(
+            id=adopted_id(e), resource=e.resource, devices=e.device_ids,
+            gpus=tuple(GpuRef(known[d].gpu_uuid, int(known[d].gpu_index)) for d in e.device_ids),
+            response=None, time=now, boot=boot, pod=e.pod, confirmed=now))
+    kept += adopted
     kept.sort(key=lambda r: (r.time, r.id))
     kept_ids = {r.id for r in kept}
     rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
     pending = sum(1 for r in kept if r.pod is None)
-    return Outcome(tuple(kept), tuple(dropped), tuple(attributed), tuple(rekeyed), pending, True)
+    return Outcome(tuple(kept), tuple(dropped), tuple(attributed), tuple(adopted),
+                   tuple(rekeyed), pending, True)

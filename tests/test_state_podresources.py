@@ -1,0 +1,125 @@
+"""The podresources v1 client and the reconciler (agent.kubelet.podresources) in-process,
+against real gRPC servers on unix sockets: a kubelet too old for v1 (no such service:
+UNIMPLEMENTED), one serving List (NUMA split) but not GetAllocatableResources (Kubernetes
+1.20-1.22), and no socket at all. Each is reported with a reason; none stops the reconciler,
+and records stay as they are. (The simulated kubelet's full v1 service is exercised end to end
+in test_state_daemon.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent import futures
+
+import grpc
+import pytest
+
+from agent._proto.podresources.v1 import api_pb2 as pr
+from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.kubelet.podresources import PodResourcesClient, PodResourcesError, Reconciler
+from agent.rm.allocate import ResponseOptions, container_response
+from agent.rm.devices import Device
+from agent.state.checkpoint import PodRef
+from agent.state.journal import CHECKPOINT_FILE, Journal
+
+RES = "nvidia.com/gpu"
+DEVICES = [Device(id=f"GPU-{i}", index=str(i), gpu_uuid=f"GPU-{i}", gpu_index=i,
+                  numa_node=i // 4, paths=(f"/dev/nvidia{i}",)) for i in range(8)]
+
+
+@pytest.fixture
+def short_dir():
+    d = tempfile.mkdtemp(prefix="gapr", dir="/tmp")  # unix socket paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class _ListOnly(pr_grpc.PodResourcesListerServicer):
+    """A kubelet of 1.20-1.22: List, but GetAllocatableResources is UNIMPLEMENTED (the
+    generated base class answers that for every method not overridden)."""
+
+    def List(self, request, context):
+        return pr.ListPodResourcesResponse(pod_resources=[pr.PodResources(
+            name="train", namespace="ml", containers=[pr.ContainerResources(
+                name="main", devices=[
+                    pr.ContainerDevices(resource_name=RES, device_ids=["GPU-0"]),
+                    pr.ContainerDevices(resource_name=RES, device_ids=["GPU-5"]),  # NUMA split
+                ])])])
+
+
+def _serve(path: str, servicer=None) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    if servicer is not None:
+        pr_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
+    assert server.add_insecure_port(f"unix:{path}")
+    server.start()
+    return server
+
+
+def _journal(d: str) -> Journal:
+    j = Journal(os.path.join(d, CHECKPOINT_FILE), boot="B")
+    j.load()
+    return j
+
+
+def _allocate(j: Journal, *indexes: int):
+    devices = [DEVICES[i] for i in indexes]
+    return j.record_allocation(RES, [(devices, container_response(devices, ResponseOptions()))])[0]
+
+
+def _reconciler(j: Journal, socket: str) -> Reconciler:
+    return Reconciler(j, socket, devices=lambda: {RES: DEVICES}, period=60.0)
+
+
+def test_list_only_kubelet_attributes_and_reports_the_missing_method(short_dir):
+    socket = os.path.join(short_dir, "kubelet.sock")
+    server = _serve(socket, _ListOnly())
+    try:
+        j = _journal(short_dir)
+        rec = _allocate(j, 0, 5)
+        r = _reconciler(j, socket)
+        outcome = r.run_once()
+        assert outcome.listed and [x.pod for x in outcome.attributed] == [PodRef("ml", "train", "main")]
+        assert j.records()[0].id == rec.id and j.records()[0].pod == PodRef("ml", "train", "main")
+        status = r.status()
+        assert status["answering"] and status["allocatable"] is None
+        assert "does not serve podresources v1 GetAllocatableResources (it needs Kubernetes " \
+               "1.23 or later)" in status["allocatableError"]
+        r.client.close()
+    finally:
+        server.stop(None)
+
+
+def test_a_kubelet_without_podresources_v1_is_reported_and_nothing_is_dropped(short_dir):
+    socket = os.path.join(short_dir, "kubelet.sock")
+    server = _serve(socket)  # a gRPC server without the v1 service, as an old kubelet
+    try:
+        client = PodResourcesClient(socket)
+        with pytest.raises(PodResourcesError) as info:
+            client.list()
+        assert info.value.kind == "unimplemented"
+        assert "does not serve podresources v1 List (it needs Kubernetes 1.20 or later)" in \
+            str(info.value)
+        client.close()
+        j = _journal(short_dir)
+        rec = _allocate(j, 3)
+        r = _reconciler(j, socket)
+        outcome = r.run_once()
+        assert not outcome.listed and outcome.dropped == ()
+        assert j.records() == (rec,)
+        assert r.status()["errorKind"] == "unimplemented" and not r.status()["answering"]
+        r.client.close()
+    finally:
+        server.stop(None)
+
+
+def test_no_socket_is_reported_as_missing(short_dir):
+    j = _journal(short_dir)
+    rec = _allocate(j, 1)
+    r = _reconciler(j, os.path.join(short_dir, "absent.sock"))
+    assert not r.run_once().listed
+    assert r.status()["errorKind"] == "missing"
+    assert "absent.sock does not exist" in r.status()["error"]
+    assert j.records() == (rec,)
