@@ -29,6 +29,9 @@ class Device:
     numa_node: int | None
     paths: tuple[str, ...]  # device nodes the container needs, e.g. ("/dev/nvidia3",)
     name: str = ""  # product name, for status and logs
+    # MIG instance placement (GPU / compute instance ids) for health events; None: a full GPU.
+    gi: int | None = None
+    ci: int | None = None
 
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
