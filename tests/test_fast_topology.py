@@ -250,3 +250,118 @@ def test_components_up_to_64_gpus(impl, levels, threshold):
     groups = impl.groups_at_level(levels, threshold)
     assert_partition(groups, len(levels))
     assert groups == components(levels, threshold)
+
+
+# -- PairScores: the exact set search -------------------------------------------------------------
+
+import itertools  # noqa: E402
+
+from agent._fast._topology_checks import UNKNOWN_NUMA_WEIGHT  # noqa: E402
+
+
+def brute_force(scores, unknown, available, must, k):
+    """The documented answer by enumeration: highest set score, then the fewest GPUs of unknown
+    NUMA node plus the smallest sum of link degrees within `available`, then lowest indices."""
+    n = len(scores)
+    members = [i for i in range(n) if available >> i & 1]
+    best = None
+    for combo in itertools.combinations(members, k):
+        mask = sum(1 << i for i in combo)
+        if mask & must != must:
+            continue
+        score = sum(scores[a][b] for a, b in itertools.combinations(combo, 2))
+        weight = sum((UNKNOWN_NUMA_WEIGHT if unknown[c] else 0)
+                     + sum(scores[c][y] for y in members if y != c) for c in combo)
+        key = (-score, weight, combo)
+        if best is None or key < best[0]:
+            best = (key, mask, score)
+    return best[1], best[2]
+
+
+@st.composite
+def scored_topologies(draw, max_gpus=12):
+    n = draw(st.integers(1, max_gpus))
+    palette = draw(st.sampled_from([(10, 20, 30, 40, 50), (10, 110, 210, 1210), (0, 1, 2),
+                                    (10, 1815)]))
+    scores = [[0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            scores[i][j] = scores[j][i] = draw(st.sampled_from(palette))
+    unknown = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    available = draw(st.integers(1, (1 << n) - 1))
+    members = [i for i in range(n) if available >> i & 1]
+    must = sum(1 << i for i in draw(st.lists(st.sampled_from(members), unique=True,
+                                             max_size=len(members))))
+    return scores, unknown, available, must
+
+
+@settings(max_examples=60, deadline=None)
+@given(scored_topologies())
+def test_property_search_is_optimal_and_both_implementations_agree(case):
+    scores, unknown, available, must = case
+    fast, slow = compiled().PairScores(scores, unknown), twin().PairScores(scores, unknown)
+    lowest = bin(must).count("1")
+    for k in range(max(lowest, 1), bin(available).count("1") + 1):
+        want_mask, want_score = brute_force(scores, unknown, available, must, k)
+        for policy in ("best-effort", "packed"):
+            got = fast.search(available, must, k, policy)
+            assert got == slow.search(available, must, k, policy)  # mask and node count
+            mask = got[0]
+            assert bin(mask).count("1") == k and mask & must == must and mask & ~available == 0
+        assert fast.best_set(available, must, k) == want_mask
+        assert fast.set_score(want_mask) == want_score
+
+
+def test_search_on_an_nvswitch_pair_of_islands(impl):
+    """Two islands of 4 (NV12 and NV18 over NVSwitch), SYS across: best-effort takes the NV18
+    pair, packed the broken NV12 island's last two GPUs."""
+    island = [0, 0, 0, 0, 1, 1, 1, 1]
+    scores = [[0 if a == b else (1210 if island[a] == island[b] == 0 else
+                                 1810 if island[a] == island[b] == 1 else 10)
+               for b in range(8)] for a in range(8)]
+    ps = impl.PairScores(scores)
+    free = bits(0, 1, 4, 5, 6, 7)
+    assert ps.best_set(free, 0, 2) == bits(4, 5)
+    assert ps.best_set(free, 0, 2, "packed") == bits(0, 1)
+    assert ps.best_set(free, 0, 4, "packed") == bits(4, 5, 6, 7)
+    assert ps.best_set(free, bits(0), 2) == bits(0, 1)
+    assert ps.set_score(bits(4, 5, 6)) == 3 * 1810
+
+
+def test_search_of_64_gpus_uses_bit_63(impl):
+    scores = [[0 if a == b else (50 if a // 2 == b // 2 else 10) for b in range(64)]
+              for a in range(64)]
+    ps = impl.PairScores(scores)
+    assert ps.best_set(ALL64, 0, 2) == bits(0, 1)
+    assert ps.best_set(bits(62, 63, 5), 0, 2) == bits(62, 63)
+    assert ps.best_set(ALL64, 1 << 63, 2) == bits(62, 63)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    pytest.param(([[0, 1], [2, 0]],), ValueError, r"scores must be symmetric: scores\[0\]\[1\]",
+                 id="asymmetric"),
+    pytest.param(([[0, 1]],), ValueError, "scores must be square", id="not-square"),
+    pytest.param(([[0, -1], [-1, 0]],), ValueError, r"scores\[0\]\[1\] = -1 is not a pair score",
+                 id="negative"),
+    pytest.param(([[0, "a"], ["a", 0]],), TypeError, "must be an integer pair score",
+                 id="not-int"),
+    pytest.param(([[0] * 65] * 65,), ValueError, "at most 64", id="too-many"),
+    pytest.param(([[0, 1], [1, 0]], [True]), ValueError, "unknown has 1 entries", id="flags"),
+])
+def test_pair_scores_reject_bad_matrices_alike(impl, args, error, message):
+    with pytest.raises(error, match=message):
+        impl.PairScores(*args)
+
+
+@pytest.mark.parametrize("request_args, message", [
+    pytest.param((bits(0, 5), 0, 1), "outside 0..3", id="gpu-outside"),
+    pytest.param((bits(0, 1), bits(2), 1), "must-include mask 0x4 is not within", id="must-out"),
+    pytest.param((bits(0, 1), 0, 3), "set size 3 must be between the 0 must-include and the 2",
+                 id="too-big"),
+    pytest.param((bits(0, 1), bits(0, 1), 1), "set size 1 must be between the 2", id="too-small"),
+    pytest.param((bits(0, 1), 0, 1, "spread"), "unknown policy 'spread'", id="policy"),
+])
+def test_search_rejects_bad_requests_alike(impl, request_args, message):
+    ps = impl.PairScores(matrix(4, lambda i, j: 10))
+    with pytest.raises(ValueError, match=message):
+        ps.search(*request_args)

@@ -179,6 +179,7 @@ class PairScores:
             for c in range(n):
                 gain[c] += s[x][c]
         st = _State(s, self._order, self._twins_after, w, gain, k)
+        st.greedy(must, k - _popcount(must), score_p, w_p, region & ~must)
         st.dfs(must, k - _popcount(must), score_p, w_p, region & ~must)
         return st.best_set, st.nodes
 
@@ -225,10 +226,33 @@ class _State:
         self.best_w = 0
         self.best_set = 0
         self.nodes = 0
+        # True while the incumbent is the greedy set: a set of equal value found by the
+        # search (in lowest-index order) still replaces it, so ties break the same way.
+        self.strict = False
 
     def consider(self, mask: int, score: int, weight: int) -> None:
-        if score > self.best_score or (score == self.best_score and weight < self.best_w):
+        if score > self.best_score or (score == self.best_score and weight < self.best_w) or \
+                (self.strict and score == self.best_score and weight == self.best_w):
             self.best_score, self.best_w, self.best_set = score, weight, mask
+            self.strict = False
+
+    def greedy(self, chosen: int, r: int, score_p: int, w_p: int, cand: int) -> None:
+        """The first incumbent: add the candidate of highest gain (then lowest weight, lowest
+        index) r times."""
+        s, w = self.s, self.w
+        gain = list(self.gain)
+        for _ in range(r):
+            pick = -1
+            for c in _bits(cand):
+                if pick < 0 or gain[c] > gain[pick] or (gain[c] == gain[pick] and w[c] < w[pick]):
+                    pick = c
+            score_p += gain[pick]
+            w_p += w[pick]
+            chosen |= 1 << pick
+            cand &= ~(1 << pick)
+            for c in _bits(cand):
+                gain[c] += s[pick][c]
+        self.best_score, self.best_w, self.best_set, self.strict = score_p, w_p, chosen, True
 
     def bound(self, score_p: int, w_p: int, cand: int, r: int) -> tuple[int, int]:
         """(upper bound of the set score, lower bound of the weight) over completions of r
@@ -276,8 +300,8 @@ class _State:
             return
         self.nodes += 1
         ub, min_w = self.bound(score_p, w_p, cand, r)
-        if self.best_score >= 0 and (ub < self.best_score
-                                     or (ub == self.best_score and min_w >= self.best_w)):
+        if ub < self.best_score or (ub == self.best_score and (
+                min_w > self.best_w or (min_w == self.best_w and not self.strict))):
             return
         low = cand & -cand
         i = low.bit_length() - 1

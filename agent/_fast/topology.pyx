@@ -216,13 +216,49 @@ cdef struct Search:
     uint64_t best_set
     long long nodes
     long long budget
+    bint strict                   # the incumbent is the greedy set (see _consider)
 
 
 cdef inline void _consider(Search* st, uint64_t mask, int64_t score, int64_t weight) noexcept nogil:
-    if score > st.best_score or (score == st.best_score and weight < st.best_w):
+    # While the incumbent is the greedy set, a set of equal value found by the search (in
+    # lowest-index order) still replaces it, so ties break as without the greedy start.
+    if score > st.best_score or (score == st.best_score and weight < st.best_w) or \
+            (st.strict and score == st.best_score and weight == st.best_w):
         st.best_score = score
         st.best_w = weight
         st.best_set = mask
+        st.strict = False
+
+
+cdef void _greedy(Search* st, uint64_t chosen, int r, int64_t score_p, int64_t w_p,
+                  uint64_t cand) noexcept nogil:
+    """The first incumbent (the twin's `_State.greedy`)."""
+    cdef int64_t gain[TOPOLOGY_MAX_GPUS]
+    cdef int c, pick, step, n = st.n
+    cdef uint64_t rest
+    for c in range(n):
+        gain[c] = st.gain[c]
+    for step in range(r):
+        pick = -1
+        rest = cand
+        while rest:
+            c = _lowest(rest)
+            rest &= rest - 1
+            if pick < 0 or gain[c] > gain[pick] or (gain[c] == gain[pick] and st.w[c] < st.w[pick]):
+                pick = c
+        score_p += gain[pick]
+        w_p += st.w[pick]
+        chosen |= (<uint64_t>1) << pick
+        cand &= ~((<uint64_t>1) << pick)
+        rest = cand
+        while rest:
+            c = _lowest(rest)
+            rest &= rest - 1
+            gain[c] += st.s[pick * n + c]
+    st.best_score = score_p
+    st.best_w = w_p
+    st.best_set = chosen
+    st.strict = True
 
 
 cdef void _insert_desc(int64_t* top, int* count, int limit, int64_t value) noexcept nogil:
@@ -328,8 +364,8 @@ cdef void _dfs(Search* st, uint64_t chosen, int r, int64_t score_p, int64_t w_p,
         return
     st.nodes += 1
     _bound(st, score_p, w_p, cand, r, &ub, &min_w)
-    if st.best_score >= 0 and (ub < st.best_score
-                               or (ub == st.best_score and min_w >= st.best_w)):
+    if ub < st.best_score or (ub == st.best_score and (
+            min_w > st.best_w or (min_w == st.best_w and not st.strict))):
         return
     i = _lowest(cand)
     low = (<uint64_t>1) << i
@@ -518,6 +554,7 @@ cdef class PairScores:
         st.best_score = -1
         st.best_w = 0
         st.best_set = 0
+        st.strict = False
         st.nodes = 0
         st.budget = NODE_BUDGET
         with nogil:
@@ -544,5 +581,6 @@ cdef class PairScores:
                 w_p += st.w[x]
                 for c in range(n):
                     st.gain[c] += self._s[x * n + c]
+            _greedy(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
             _dfs(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
         return st.best_set, st.nodes
