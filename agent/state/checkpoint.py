@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 
@@ -147,14 +147,23 @@ def _digest(version: int, body: bytes) -> bytes:
     return hashlib.sha256(b"%d:" % version + body).digest()
 
 
-def encode(cp: Checkpoint) -> bytes:
-    """The file's bytes for `cp` (current version)."""
-    body = msgpack.packb({
-        "written": float(cp.written),
-        "boot": cp.boot,
-        "keyedBy": cp.keyed_by,
-        "records": [_record_data(r) for r in cp.records],
-    }, use_bin_type=True)
+def pack_record(r: Record) -> bytes:
+    """One record as msgpack (what `encode` puts in the body's list)."""
+    return msgpack.packb(_record_data(r), use_bin_type=True)
+
+
+def encode(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record) -> bytes:
+    """The file's bytes for `cp` (current version). `packed` gives a record's msgpack bytes:
+    the journal passes a cache, records being immutable, so a write packs only new ones."""
+    p = msgpack.Packer(use_bin_type=True)
+    body = b"".join([
+        p.pack_map_header(4),
+        p.pack("written"), p.pack(float(cp.written)),
+        p.pack("boot"), p.pack(cp.boot),
+        p.pack("keyedBy"), p.pack(cp.keyed_by),
+        p.pack("records"), p.pack_array_header(len(cp.records)),
+        *[packed(r) for r in cp.records],
+    ])
     return msgpack.packb({"format": FORMAT, "version": VERSION,
                           "sha256": _digest(VERSION, body), "body": body}, use_bin_type=True)
 
@@ -234,7 +243,87 @@ def _response(value: Any, where: str) -> Response:
     )
 
 
+class _Slow(Exception):
+    """The fast path met something it does not take: the checked path decides."""
+
+
+def _fast_strs(value: Any) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise _Slow
+    for v in value:
+        if type(v) is not str:
+            raise _Slow
+    return tuple(value)
+
+
+def _fast_str_map(value: Any) -> dict:
+    if type(value) is not dict:
+        raise _Slow
+    for k, v in value.items():
+        if type(k) is not str or type(v) is not str:
+            raise _Slow
+    return value
+
+
+def _fast_record(d: Any) -> Record:
+    """`_checked_record` for well-formed input, without building error paths (a restart
+    decodes every record); raises _Slow on anything else, never accepts more than it."""
+    if type(d) is not dict or len(d) != len(_RECORD_KEYS):
+        raise _Slow
+    try:
+        rid, resource, devices, gpus, resp, t, boot, pod, confirmed = (d[k] for k in _RECORD_KEYS)
+    except KeyError:
+        raise _Slow from None
+    if type(rid) is not str or type(resource) is not str or type(boot) is not str:
+        raise _Slow
+    if type(t) not in (float, int) or (confirmed is not None
+                                       and type(confirmed) not in (float, int)):
+        raise _Slow
+    if type(gpus) is not list:
+        raise _Slow
+    refs = []
+    for g in gpus:
+        if type(g) is not list or len(g) != 2 or type(g[0]) is not str or type(g[1]) is not int:
+            raise _Slow
+        refs.append(GpuRef(g[0], g[1]))
+    response = None
+    if resp is not None:
+        if type(resp) is not dict or len(resp) != len(_RESPONSE_KEYS):
+            raise _Slow
+        try:
+            envs, mounts, specs, annotations, cdi = (resp[k] for k in _RESPONSE_KEYS)
+        except KeyError:
+            raise _Slow from None
+        if type(mounts) is not list or type(specs) is not list:
+            raise _Slow
+        for m in mounts:
+            if type(m) is not list or len(m) != 3 or type(m[0]) is not str or \
+                    type(m[1]) is not str or type(m[2]) is not bool:
+                raise _Slow
+        for s in specs:
+            if type(s) is not list or len(s) != 3 or not all(type(x) is str for x in s):
+                raise _Slow
+        response = Response(envs=_fast_str_map(envs), mounts=tuple(MountRec(*m) for m in mounts),
+                            devices=tuple(DeviceSpecRec(*s) for s in specs),
+                            annotations=_fast_str_map(annotations), cdi_devices=_fast_strs(cdi))
+    if pod is not None:
+        pod = _fast_strs(pod)
+        if len(pod) != 3:
+            raise _Slow
+        pod = PodRef(*pod)
+    return Record(id=rid, resource=resource, devices=_fast_strs(devices), gpus=tuple(refs),
+                  response=response, time=float(t), boot=boot, pod=pod,
+                  confirmed=None if confirmed is None else float(confirmed))
+
+
 def _record(value: Any, where: str) -> Record:
+    try:
+        return _fast_record(value)
+    except _Slow:
+        return _checked_record(value, where)
+
+
+def _checked_record(value: Any, where: str) -> Record:
     d = _map(value, _RECORD_KEYS, where)
     gpus = []
     _typed(d["gpus"], list, "a list", f"{where}.gpus")

@@ -38,6 +38,7 @@ from agent.state.checkpoint import (
     Response,
     decode,
     encode,
+    pack_record,
 )
 from agent.state.reconcile import Outcome
 
@@ -119,6 +120,7 @@ class Journal:
         self._pending: _Batch | None = None
         self._writing = False
         self._listeners: list[Callable[[], None]] = []
+        self._packed: dict[str, tuple[Record, bytes]] = {}  # record ID -> (record, msgpack)
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
         self.version = 0  # bumped on every change in memory
         self.writes = 0
@@ -320,7 +322,10 @@ class Journal:
                                       keyed_by=self.keyed_by)
                 self._cond.release()
                 try:
-                    error = self._write(encode(snapshot))
+                    error = self._write(encode(snapshot, self._pack))
+                    if len(self._packed) > len(snapshot.records) + 64:
+                        live = {r.id for r in snapshot.records}
+                        self._packed = {k: v for k, v in self._packed.items() if k in live}
                 finally:
                     self._cond.acquire()
                 self._writing = False
@@ -336,6 +341,16 @@ class Journal:
                                  f"{batch.error}") from batch.error
 
     # -- the file ------------------------------------------------------------------------------
+
+    def _pack(self, r: Record) -> bytes:
+        """A record's msgpack, packed once (records are immutable; only the leader of a
+        write calls this, one write at a time)."""
+        hit = self._packed.get(r.id)
+        if hit is not None and hit[0] is r:
+            return hit[1]
+        data = pack_record(r)
+        self._packed[r.id] = (r, data)
+        return data
 
     def _write(self, data: bytes) -> OSError | None:
         """Write `data` as the checkpoint, atomically and durably; the OSError if it failed

@@ -138,11 +138,13 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False)
 
     merged = merge_listing(listing)
-    by_set: dict[tuple[str, frozenset], list[PodRef]] = {}
+    # (resource, device set) -> the unclaimed containers listing exactly it (a dict: ordered,
+    # O(1) membership and removal when claimed)
+    by_set: dict[tuple[str, frozenset], dict[PodRef, None]] = {}
     owner: dict[tuple[str, str], PodRef] = {}
     live_pods = set()
     for e in merged:
-        by_set.setdefault((e.resource, frozenset(e.device_ids)), []).append(e.pod)
+        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[e.pod] = None
         for d in e.device_ids:
             owner[(e.resource, d)] = e.pod
         live_pods.add((e.namespace, e.name))
@@ -152,14 +154,14 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
     # running container got
     for r in sorted(current, key=lambda r: (r.time, r.id), reverse=True):
-        candidates = [p for p in by_set.get((r.resource, frozenset(r.devices)), ())
-                      if (r.resource, p) not in claimed]
+        candidates = by_set.get((r.resource, frozenset(r.devices)), {})
         match = None
         if r.pod is not None and r.pod in candidates:
             match = r.pod
         elif r.pod is None and candidates:
-            match = candidates[0]
+            match = next(iter(candidates))
         if match is not None:
+            del candidates[match]
             claimed.add((r.resource, match))
             updated = replace(r, pod=match, confirmed=now)
             kept.append(updated)
