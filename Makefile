@@ -7,8 +7,11 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-stamp
 # Debian packages the targets need; installed with apt-get when missing (as root only).
 APT_BUILD := gcc python3-dev python3-venv
+# What `make rpm` and the packaging tests (tests/test_install.py, tests/test_systemd_unit.py)
+# need; `make test` installs them as root only (CI), elsewhere those tests say they skipped.
+APT_RPM   := rpm rpmlint systemd
 
-.PHONY: all venv build test lint demo proto bench clean
+.PHONY: all venv build test lint demo proto bench clean rpm rpm-tools
 
 all: build
 
@@ -31,7 +34,7 @@ build: $(STAMP)
 lint: $(STAMP)
 	$(VPY) -m ruff check .
 
-test: build lint
+test: build lint rpm-tools
 	$(VPY) -m pytest -q
 
 demo: build
@@ -40,6 +43,21 @@ demo: build
 # Regenerates agent/_proto from proto/ (committed; tests/test_proto.py fails when stale).
 proto: $(STAMP)
 	$(VPY) scripts/gen_proto.py
+
+# The RPM into dist/ (packaging/rpm/gpu-agent.spec via scripts/build-rpm), then rpmlint.
+rpm: rpm-tools
+	@command -v rpmbuild >/dev/null 2>&1 || scripts/apt-install $(APT_RPM)
+	@command -v gcc >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null || \
+	  scripts/apt-install $(APT_BUILD)
+	rm -f dist/gpu-agent-*.rpm
+	scripts/build-rpm --output dist
+	@if command -v rpmlint >/dev/null 2>&1; then \
+	  rpmlint -r packaging/rpm/gpu-agent.rpmlintrc dist/gpu-agent-*.rpm packaging/rpm/gpu-agent.spec; \
+	else echo "rpmlint not installed: not linted"; fi
+
+rpm-tools:
+	@if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  scripts/apt-install $(APT_RPM); fi
 
 bench: build
 	$(VPY) -m bench
