@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.config import add_cli as add_config_cli
 
     add_config_cli(sub)
+
+    from agent.state.cli import add_cli as add_state_cli
+
+    add_state_cli(sub)
     return parser
 
 

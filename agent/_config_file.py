@@ -214,6 +214,9 @@ SCHEMA: dict = {
     "agent": {
         "stateDir": OPTION,
         "nvmlLibrary": OPTION,
+        "checkpointDeviceIDStrategy": OPTION,
+        "podResourcesSocket": OPTION,
+        "reconcileInterval": OPTION,
     },
     "resources": Section("resources", _dump_resources),
     "sharing": Section("sharing", _dump_sharing),

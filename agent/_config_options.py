@@ -17,6 +17,7 @@ from agent._config_values import (
     ChoiceKind,
     ChoiceListKind,
     ConfigFileKind,
+    IntervalKind,
     Kind,
     NvmlLibraryKind,
     PathKind,
@@ -27,6 +28,7 @@ MIG_STRATEGIES = ("none", "single", "mixed")
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,25 @@ OPTIONS: tuple[Option, ...] = (
         NvmlLibraryKind(), NVML_SONAME,
         f"the NVML library: {NVML_SONAME} (looked up under the driver root) or an absolute path",
         default_text=f"{NVML_SONAME} under the driver root",
+    ),
+    Option(
+        "checkpoint_device_id_strategy", "--checkpoint-device-id-strategy",
+        "CHECKPOINT_DEVICE_ID_STRATEGY", "agent.checkpointDeviceIDStrategy",
+        ChoiceKind(*DEVICE_ID_STRATEGIES), "uuid",
+        "how checkpointed allocations find their GPUs after a restart: by UUID, or by index "
+        "(for VMs whose GPU UUIDs change on cold migration)",
+    ),
+    Option(
+        "pod_resources_socket", "--pod-resources-socket", "GPU_AGENT_POD_RESOURCES_SOCKET",
+        "agent.podResourcesSocket", PathKind(empty="do not attribute allocations to pods"),
+        DEFAULT_POD_RESOURCES_SOCKET,
+        "kubelet's podresources socket, asked which pod holds which allocated devices",
+    ),
+    Option(
+        "reconcile_interval", "--reconcile-interval", "GPU_AGENT_RECONCILE_INTERVAL",
+        "agent.reconcileInterval", IntervalKind(), 60.0,
+        "how often allocations are matched to pods through podresources, besides at start "
+        "and after Allocate; 0: only then",
     ),
 )
 

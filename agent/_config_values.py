@@ -9,6 +9,7 @@ about layers, sources, keys or files, and must not import anything of `agent`: c
 
 from __future__ import annotations
 
+import decimal
 import re
 from typing import Any
 
@@ -288,3 +289,45 @@ class DurationKind(Kind):
             hint = "; it must not be negative" if value.startswith("-") else ""
             raise Invalid(f"{value!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
         return value
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
+                 "m": 60.0, "h": 3600.0}
+
+
+class IntervalKind(Kind):
+    """An interval written as a Go duration ("60s", "1m30s", "500ms"), held in seconds (a
+    float). "0" (or any zero duration) means off; anything else must be at least `minimum` s."""
+
+    metavar = "DURATION"
+    text_form = "duration"
+
+    def __init__(self, minimum: float = 0.1):
+        self.minimum = minimum
+
+    def from_data(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, str):
+            raise Invalid(f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
+        return self.from_text(value)
+
+    def from_text(self, text: Any) -> float:
+        text = expect_str(text)
+        if text != "0" and not _GO_DURATION.match(text):
+            hint = "; it must not be negative" if text.startswith("-") else ""
+            raise Invalid(f"{text!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
+        seconds = float(sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text)))
+        if 0 < seconds < self.minimum:
+            raise Invalid(f"{text!r} is too short: use 0 (off) or at least {self.minimum:g}s")
+        return seconds
+
+    def to_text(self, value: Any) -> str:
+        if not value:
+            return "0"
+        digits = format(decimal.Decimal(repr(float(value))), "f")
+        if "." in digits:
+            digits = digits.rstrip("0").rstrip(".")
+        return f"{digits}s"
+
+    def to_data(self, value: Any) -> str:
+        return self.to_text(value)

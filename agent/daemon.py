@@ -1,12 +1,12 @@
 """`gpu-agent run`: the daemon's lifecycle, from start to a clean stop.
 
-Owns: the order of things (config → NVML → discovery → resource managers → plugin servers →
-registration), the one main loop that reacts to signals (SIGHUP reload, SIGTERM/SIGINT stop),
-to inotify events in kubelet's socket directory (kubelet.sock re-created or our socket gone:
-restart the servers and register again) and to timers (NVML init retry with backoff when
-failOnInitError is false, registration retries, the systemd watchdog), the systemd
-notifications (through agent.systemd), and the status summary (a STATUS= line and
-STATE_DIR/status.json, which `gpu-agent status` reads).
+Owns: the order of things (config → allocation journal → NVML → discovery → resource
+managers → plugin servers → registration), the one main loop that reacts to signals (SIGHUP
+reload, SIGTERM/SIGINT stop), to inotify events in kubelet's socket directory (kubelet.sock
+re-created or our socket gone: restart the servers and register again) and to timers (NVML
+init retry with backoff when failOnInitError is false, registration retries, the systemd
+watchdog), the systemd notifications (through agent.systemd), and the status summary (a
+STATUS= line and STATE_DIR/status.json, which `gpu-agent status` reads).
 
 Threads: the main thread runs the loop and is the only one that changes the daemon's state;
 gRPC serves from its own pool (agent.kubelet.plugin), and each Register call runs in a short
@@ -34,6 +34,7 @@ from agent import __version__
 from agent.config import Config, load_config
 from agent.errors import AgentError, ConfigError, NvmlError, NvmlLibraryError
 from agent.kubelet.plugin import PluginServer, RegistrationError
+from agent.kubelet.podresources import AllocationState, format_state
 from agent.kubelet.watch import CREATED, DELETED, DIR_GONE, SocketDirWatch
 from agent.nvml import discovery, library
 from agent.rm.allocate import ResponseOptions
@@ -130,6 +131,9 @@ class Daemon:
         self.nvml_retry_at: float | None = None
         self.nvml_backoff = NVML_RETRY_FIRST_S
         self.gpus: list[discovery.Gpu] = []
+        # allocation journal and its reconciliation with podresources (agent.state)
+        self.state: AllocationState | None = None
+        self._state_written = -1
         # resources
         self.managers: dict[str, ResourceManager] = {}
         self.plugins: dict[str, _Plugin] = {}
@@ -163,6 +167,7 @@ class Daemon:
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
             self._prepare_state_dir()
+            self._start_state()
             if not self._start_nvml(first=True):
                 pass  # degraded: retried from the loop
             self._publish()
@@ -242,10 +247,13 @@ class Daemon:
     def _build_and_serve(self) -> None:
         cfg = self.cfg
         options = response_options(cfg)
+        journal = self.state.record_allocation if self.state is not None else None
         self.managers = {
-            name: ResourceManager(name, devices, options)
+            name: ResourceManager(name, devices, options, journal=journal)
             for name, devices in devices_by_resource(self.gpus, cfg.resources.gpus).items()
         }
+        if self.state is not None:
+            self.state.poke()  # the GPUs are known now: match records to them
         for name, m in self.managers.items():
             log.info("resource %s: %d devices (%s)", name, len(m.devices),
                      ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" for d in m.devices))
@@ -327,6 +335,8 @@ class Daemon:
                      len(plugin.server.manager.devices), plugin.registrations)
             if all(p.registered for p in self.plugins.values()) and not self.ready_sent:
                 self._send_ready()
+            if self.state is not None:
+                self.state.poke()  # kubelet is (back) up: ask podresources now
             self._publish()
             return
         kubelet_there = os.path.exists(self.cfg.kubelet_socket)
@@ -409,6 +419,10 @@ class Daemon:
             return
         old, self.cfg = self.cfg, new
         self.reloads += 1
+        if self.state is not None:
+            self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
+                                   socket_path=new.pod_resources_socket,
+                                   period=new.reconcile_interval)
         self.last_error = ""
         for name in ("nvml_library", "driver_root"):
             if getattr(old, name) != getattr(new, name) and self.nvml_up:
@@ -445,6 +459,8 @@ class Daemon:
             p.server.stop()
         self.plugins = {}
         self._close_watch()
+        if self.state is not None:
+            self.state.close()
         if self.nvml_up:
             try:
                 library.shutdown()
@@ -561,6 +577,8 @@ class Daemon:
                 state = "registering"
             parts.append(f"{name}: {m.healthy_count}/{len(m.devices)} healthy, {state}")
         text = "; ".join(parts) or "no GPUs: advertising nothing"
+        if self.state is not None and self.state.problem:
+            text += f"; {self.state.problem}"
         if self.last_error:
             text += f"; {self.last_error}"
         return text
@@ -596,6 +614,7 @@ class Daemon:
             "reloads": self.reloads,
             "lastError": self.last_error,
             "resources": resources,
+            "state": self.state.status() if self.state is not None else None,
         }
 
     def _publish(self) -> None:
@@ -604,6 +623,8 @@ class Daemon:
             self._last_status = summary
             self.notifier.status(summary)
             self._write_status()
+        elif self.state is not None and self.state.version != self._state_written:
+            self._write_status()  # new allocations or attributions: keep status.json current
 
     def _prepare_state_dir(self) -> None:
         try:
@@ -613,9 +634,28 @@ class Daemon:
                         self.cfg.state_dir, exc)
             self._status_warned = True
 
+    def _start_state(self) -> None:
+        """Load the allocation checkpoint (a bad one is set aside) and start reconciling."""
+        cfg = self.cfg
+        self.state = AllocationState(
+            cfg.state_dir, keyed_by=cfg.checkpoint_device_id_strategy,
+            socket_path=cfg.pod_resources_socket, period=cfg.reconcile_interval,
+            devices=self._advertised, environ=self.environ)
+        self.state.start()
+
+    def _advertised(self) -> dict | None:
+        """The devices advertised now by resource; None before the first discovery (from
+        the reconcile thread: reads the managers dict the loop replaces as a whole)."""
+        managers = self.managers
+        if not self.nvml_up or not managers:
+            return None
+        return {name: m.devices for name, m in managers.items()}
+
     def _write_status(self) -> None:
         if self.cfg is None:
             return
+        if self.state is not None:
+            self._state_written = self.state.version
         path = os.path.join(self.cfg.state_dir, STATUS_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
@@ -675,6 +715,8 @@ def format_status(doc: dict) -> str:
             lines.append(f"  GPU {d['index']} {d['uuid']} NUMA {numa}: "
                          f"{'healthy' if d['healthy'] else 'unhealthy'}"
                          + (f" ({d['reason']})" if d.get("reason") else ""))
+    if doc.get("state"):
+        lines += format_state(doc["state"])
     return "\n".join(lines)
 
 

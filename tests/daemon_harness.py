@@ -58,6 +58,7 @@ class Node:
         os.makedirs(self.kdir)
         self.profile = profile
         self.kubelet_socket = os.path.join(self.kdir, "kubelet.sock")
+        self.podresources_socket = os.path.join(self.kdir, "pod-resources", "kubelet.sock")
         self.plugin_socket = os.path.join(self.kdir, SOCKET)
         self.kubelet: SimKubelet | None = None
         self.client = SimKubeletClient(self.kdir)
@@ -90,7 +91,8 @@ class Node:
               kubelet: bool = True) -> Agent:
         argv = ["run", "--state-dir", self.state]
         if kubelet:
-            argv += ["--kubelet-socket", self.kubelet_socket]
+            argv += ["--kubelet-socket", self.kubelet_socket,
+                     "--pod-resources-socket", self.podresources_socket]
         if nvml:
             argv += ["--nvml-library", LIB]
         agent = Agent(self, [*argv, *args], self.env() if env is None else env)

@@ -101,6 +101,9 @@ def test_defaults_follow_nvidia():
     assert cfg.state_dir == "/var/lib/gpu-agent"
     assert cfg.nvml_library == "libnvidia-ml.so.1"
     assert cfg.nvml_library_explicit is None
+    assert cfg.checkpoint_device_id_strategy == "uuid"
+    assert cfg.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert cfg.reconcile_interval == 60.0
     assert cfg.resources == Resources() and cfg.sharing == Sharing() and cfg.imex == Imex()
     assert dict(cfg.compat) == {}
     assert all(cfg.source(opt.name).kind == "default" for opt in OPTIONS)
@@ -127,6 +130,10 @@ PRECEDENCE = {
                   ("/srv/state", "/env/state", "/flag/state")),
     "nvml_library": ("/opt/a/libnvidia-ml.so.1", "/opt/b/libnvidia-ml.so.1", NVML_SONAME,
                      ("/opt/a/libnvidia-ml.so.1", "/opt/b/libnvidia-ml.so.1", NVML_SONAME)),
+    "checkpoint_device_id_strategy": ("index", "uuid", "index", ("index", "uuid", "index")),
+    "pod_resources_socket": ("/run/pr/kubelet.sock", "", "/flag/pr.sock",
+                             ("/run/pr/kubelet.sock", "", "/flag/pr.sock")),
+    "reconcile_interval": ("5m", "90s", "1m30s", (300.0, 90.0, 90.0)),
 }
 
 
@@ -304,6 +311,16 @@ def test_bad_flags_values_in_the_file(tmp_path, flags, key, problem):
     ({"nvmlLibrary": "lib/libnvidia-ml.so.1"}, "agent.nvmlLibrary",
      "'lib/libnvidia-ml.so.1' is not an absolute path"),
     ({"stateDir": 7}, "agent.stateDir", "expected a string, got integer 7"),
+    ({"checkpointDeviceIDStrategy": "UUID"}, "agent.checkpointDeviceIDStrategy",
+     "'UUID' is not one of uuid, index"),
+    ({"podResourcesSocket": "kubelet.sock"}, "agent.podResourcesSocket",
+     "'kubelet.sock' is not an absolute path"),
+    ({"reconcileInterval": 60}, "agent.reconcileInterval",
+     'expected a duration such as "60s" or "1m30s", got integer 60'),
+    ({"reconcileInterval": "-5s"}, "agent.reconcileInterval",
+     "'-5s' is not a duration such as \"60s\" or \"1m30s\"; it must not be negative"),
+    ({"reconcileInterval": "1ms"}, "agent.reconcileInterval",
+     "'1ms' is too short: use 0 (off) or at least 0.1s"),
 ])
 def test_bad_agent_values_in_the_file(tmp_path, agent, key, problem):
     message, path = file_error(tmp_path, v1(agent=agent))
@@ -324,6 +341,8 @@ def test_bad_agent_values_in_the_file(tmp_path, agent, key, problem):
     ("KUBELET_SOCKET", "kubelet.sock", "'kubelet.sock' is not an absolute path"),
     ("CDI_ANNOTATION_PREFIX", "", "must not be empty"),
     ("DEVICE_ID_STRATEGY", "UUID", "'UUID' is not one of uuid, index"),
+    ("CHECKPOINT_DEVICE_ID_STRATEGY", "gpu", "'gpu' is not one of uuid, index"),
+    ("GPU_AGENT_RECONCILE_INTERVAL", "60", "'60' is not a duration such as"),
 ])
 def test_bad_environment_values_name_the_variable(var, value, problem):
     with pytest.raises(ConfigError) as info:
@@ -475,8 +494,9 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
 
 def test_agent_section_accepts_only_the_keys_defined_now(tmp_path):
     message, path = file_error(tmp_path, v1(agent={"xidActions": {"48": "isolate"}}))
-    assert message == (f"agent.xidActions: unknown key; expected one of: stateDir, nvmlLibrary "
-                       f"({path})")
+    assert message == (f"agent.xidActions: unknown key; expected one of: "
+                       f"{', '.join(SCHEMA['agent'])} ({path})")
+    assert list(SCHEMA["agent"])[:2] == ["stateDir", "nvmlLibrary"]
 
 
 def test_a_yaml_key_that_is_not_a_string_is_refused(tmp_path):
@@ -892,6 +912,10 @@ VALUES = {
     "kubelet_socket": st.one_of(st.just(""), st.just(DEFAULT_KUBELET_SOCKET), ABS_PATH),
     "state_dir": ABS_PATH,
     "nvml_library": st.one_of(st.just(NVML_SONAME), ABS_PATH),
+    "checkpoint_device_id_strategy": st.sampled_from(DEVICE_ID_STRATEGIES),
+    "pod_resources_socket": st.one_of(st.just(""), ABS_PATH),
+    "reconcile_interval": st.one_of(st.just(0.0), st.integers(1, 86400).map(float),
+                                    st.sampled_from([0.1, 0.25, 1.5, 2.75])),
 }
 LAYERS = ("file", "env", "flag")
 

@@ -21,7 +21,7 @@ import grpc
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
-from agent.errors import AgentError, RequestError
+from agent.errors import AgentError, RequestError, StateError
 from agent.rm.allocate import ContainerResponse
 from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
 
@@ -121,6 +121,9 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         except RequestError as exc:
             log.warning("%s: refused Allocate: %s", self.manager.resource, exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StateError as exc:  # not recorded: kubelet must not start the container
+            log.error("%s: Allocate failed: %s", self.manager.resource, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
         if log.isEnabledFor(logging.INFO):
             by_id = self.manager.by_id
             for container in ids:

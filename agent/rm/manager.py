@@ -60,9 +60,14 @@ class ResourceManager:
     """Devices of one resource, their health, and allocation answers. `options` shapes the
     Allocate responses (device-list and device-ID strategies, passDeviceSpecs...)."""
 
-    def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions):
+    def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions, *,
+                 journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
+                 | None = None):
         self.resource = resource
         self.options = options
+        # Called with (resource, [(devices, response) per container]) before Allocate answers;
+        # it returns once the allocation is durable or raises (agent.state.journal).
+        self.journal = journal
         self.devices: tuple[Device, ...] = tuple(devices)
         self.by_id = {d.id: d for d in self.devices}
         self._health = {d.id: (True, "") for d in self.devices}
@@ -122,9 +127,13 @@ class ResourceManager:
 
     def allocate(self, container_requests: Sequence[Sequence[str]]) -> list[ContainerResponse]:
         """One ContainerResponse per container request, in order; RequestError (nothing
-        allocated) if any request is empty, repeats an ID or names an unknown one."""
+        allocated) if any request is empty, repeats an ID or names an unknown one. With a
+        `journal`, the allocation is recorded durably before this returns (StateError if not)."""
         resolved = [resolve_request(self.resource, ids, self.by_id) for ids in container_requests]
-        return [container_response(devices, self.options) for devices in resolved]
+        responses = [container_response(devices, self.options) for devices in resolved]
+        if self.journal is not None:
+            self.journal(self.resource, list(zip(resolved, responses)))
+        return responses
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one
