@@ -5,8 +5,9 @@ removed on stop), the DevicePlugin service (GetDevicePluginOptions, ListAndWatch
 GetPreferredAllocation, Allocate, PreStartContainer) answering from an
 `agent.rm.manager.ResourceManager`, and the Register call towards kubelet.sock. Protobuf in,
 plain data to the manager, protobuf out: a RequestError from the manager becomes
-INVALID_ARGUMENT with its reason, and the server keeps serving. Must not call NVML (it never
-imports agent.nvml) nor decide lifecycle: `agent.daemon` starts, stops and re-registers.
+INVALID_ARGUMENT with its reason, a StateError (the allocation could not be recorded)
+UNAVAILABLE, and the server keeps serving. Must not call NVML (it never imports agent.nvml)
+nor decide lifecycle: `agent.daemon` starts, stops and re-registers.
 """
 
 from __future__ import annotations
