@@ -385,3 +385,27 @@ def test_an_allocate_that_cannot_be_recorded_is_refused_with_the_reason(node):
     agent.allocate([UUIDS[2]])
     assert [r.devices for r in checkpoint(node).records] == [(UUIDS[0],), (UUIDS[2],)]
     assert agent.alive()
+
+
+def test_sighup_applies_new_state_settings(node):
+    config = node.write("config.yaml", "version: v1\nagent:\n  checkpointDeviceIDStrategy: uuid\n"
+                                       "  reconcileInterval: 60s\n")
+    agent = node.agent("--config", config)
+    agent.wait_registered()
+    state = reconciled_since(agent, 0)["state"]
+    assert state["keyedBy"] == "uuid" and state["podResources"]["period"] == 60.0
+    node.write("config.yaml", "version: v1\nagent:\n  checkpointDeviceIDStrategy: index\n"
+                              "  reconcileInterval: 1m30s\n")
+    agent.send(signal.SIGHUP)
+    agent.wait_log("configuration reloaded")
+    deadline = time.monotonic() + WAIT
+    while True:
+        state = read_status(node.state)["state"]
+        if state["keyedBy"] == "index" and state["podResources"]["period"] == 90.0:
+            break
+        assert time.monotonic() < deadline, f"settings not applied: {state}\n{agent.log}"
+        time.sleep(0.05)
+    assert "checkpointDeviceIDStrategy is now index (was uuid)" in agent.log
+    node.client.admit_pod("train", {"main": {GPU: 1}})
+    wait_records(agent, all_attributed(1), "an allocation recorded after the reload")
+    assert checkpoint(node).keyed_by == "index"
