@@ -214,6 +214,7 @@ SCHEMA: dict = {
     "agent": {
         "stateDir": OPTION,
         "nvmlLibrary": OPTION,
+        "cdiSpecDirs": OPTION,
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,

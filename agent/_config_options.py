@@ -21,6 +21,7 @@ from agent._config_values import (
     Kind,
     NvmlLibraryKind,
     PathKind,
+    PathListKind,
     TextKind,
 )
 
@@ -133,6 +134,12 @@ OPTIONS: tuple[Option, ...] = (
         "agent.reconcileInterval", IntervalKind(), 60.0,
         "how often allocations are matched to pods through podresources, besides at start "
         "and after Allocate; 0: only then",
+    ),
+    Option(
+        "cdi_spec_dirs", "--cdi-spec-dirs", "GPU_AGENT_CDI_SPEC_DIRS", "agent.cdiSpecDirs",
+        PathListKind(), ("/etc/cdi", "/var/run/cdi"),
+        "where nvidia-container-toolkit's CDI specs are, checked with a cdi-* device-list "
+        "strategy (later directories take precedence, as in the CDI spec)",
     ),
 )
 

@@ -331,3 +331,48 @@ class IntervalKind(Kind):
 
     def to_data(self, value: Any) -> str:
         return self.to_text(value)
+
+
+class PathListKind(Kind):
+    """One or more distinct absolute paths: comma-separated as text, a path or a list of paths
+    in the file (agent.cdiSpecDirs)."""
+
+    metavar = "PATH,..."
+    text_form = "comma-separated absolute paths"
+
+    def _check_list(self, items: list[str], subkeys: list[str]) -> tuple[str, ...]:
+        if not items:
+            raise Invalid("empty list; give at least one absolute path")
+        seen: set[str] = set()
+        for item, subkey in zip(items, subkeys):
+            try:
+                PathKind().check(item)
+            except Invalid as exc:
+                raise Invalid(exc.problem, subkey) from None
+            if item in seen:
+                raise Invalid(f"{item!r} is listed twice", subkey)
+            seen.add(item)
+        return tuple(items)
+
+    def from_text(self, text: Any) -> tuple[str, ...]:
+        text = expect_str(text)
+        items = [item.strip() for item in text.split(",")]
+        if any(not item for item in items):
+            raise Invalid(f"{text!r} has an empty item; separate the paths with single commas")
+        return self._check_list(items, [""] * len(items))
+
+    def from_data(self, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            return self._check_list([value], [""])
+        if not isinstance(value, list):
+            raise Invalid(f"expected a path or a list of paths, got {describe(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise Invalid(f"expected an absolute path, got {describe(item)}", f"[{i}]")
+        return self._check_list(list(value), [f"[{i}]" for i in range(len(value))])
+
+    def to_data(self, value: Any) -> list[str]:
+        return list(value)
+
+    def to_text(self, value: Any) -> str:
+        return ",".join(value)

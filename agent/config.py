@@ -90,6 +90,7 @@ class Config:
     kubelet_socket: str  # "": do not connect to kubelet (NVIDIA's meaning)
     state_dir: str
     nvml_library: str
+    cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first
     checkpoint_device_id_strategy: str
     pod_resources_socket: str  # "": do not ask kubelet's podresources
     reconcile_interval: float  # seconds; 0: only at start and after Allocate

@@ -37,6 +37,7 @@ from agent.kubelet.plugin import PluginServer, RegistrationError
 from agent.kubelet.podresources import AllocationState, format_state
 from agent.kubelet.watch import CREATED, DELETED, DIR_GONE, SocketDirWatch
 from agent.nvml import discovery, library
+from agent.rm import cdi
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
@@ -131,6 +132,7 @@ class Daemon:
         self.nvml_retry_at: float | None = None
         self.nvml_backoff = NVML_RETRY_FIRST_S
         self.gpus: list[discovery.Gpu] = []
+        self.cdi: cdi.CdiCheck | None = None  # the last CDI spec check (cdi-* strategies)
         # allocation journal and its reconciliation with podresources (agent.state)
         self.state: AllocationState | None = None
         self._state_written = -1
@@ -257,12 +259,26 @@ class Daemon:
         for name, m in self.managers.items():
             log.info("resource %s: %d devices (%s)", name, len(m.devices),
                      ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" for d in m.devices))
+        self._check_cdi()
         if not cfg.plugin_socket_dir:
             log.info("kubelet socket is empty (do not connect to kubelet): not serving")
             self._send_ready()
             return
         self._ensure_watch()
         self._start_servers()
+
+    def _check_cdi(self) -> None:
+        """With a cdi-* device-list strategy, check (at start and on every reload) that the
+        toolkit's CDI spec defines every name Allocate will hand out. A missing name is logged
+        as an error, with what to run, and shown in STATUS, but is not fatal: the toolkit's
+        nvidia-cdi-refresh may write the spec moments later, and only containers given those
+        devices are affected (docs/install.md#cdi)."""
+        devices = [d for m in self.managers.values() for d in m.devices]
+        self.cdi = cdi.check(devices, response_options(self.cfg), self.cfg.cdi_spec_dirs)
+        if self.cdi is not None:
+            level = log.error if not self.cdi.ok else log.warning if self.cdi.index.problems \
+                else log.info
+            level("%s", self.cdi.message())
 
     def _start_servers(self) -> None:
         self.generation += 1
@@ -579,6 +595,8 @@ class Daemon:
         text = "; ".join(parts) or "no GPUs: advertising nothing"
         if self.state is not None and self.state.problem:
             text += f"; {self.state.problem}"
+        if self.cdi is not None and not self.cdi.ok:
+            text += f"; {self.cdi.summary()}"
         if self.last_error:
             text += f"; {self.last_error}"
         return text
@@ -614,6 +632,7 @@ class Daemon:
             "reloads": self.reloads,
             "lastError": self.last_error,
             "resources": resources,
+            "cdi": self.cdi.to_json() if self.cdi is not None else None,
             "state": self.state.status() if self.state is not None else None,
         }
 
@@ -717,6 +736,12 @@ def format_status(doc: dict) -> str:
                          + (f" ({d['reason']})" if d.get("reason") else ""))
     if doc.get("state"):
         lines += format_state(doc["state"])
+    if doc.get("cdi"):
+        c = doc["cdi"]
+        lines.append(f"CDI ({', '.join(c['strategies'])}): "
+                     + (f"all {c['wanted']} device names defined" if c["ok"] else
+                        f"{len(c['missing'])} of {c['wanted']} device names missing from the "
+                        f"specs in {', '.join(c['dirs'])}: {', '.join(c['missing'])}"))
     return "\n".join(lines)
 
 

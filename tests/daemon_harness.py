@@ -60,6 +60,8 @@ class Node:
         self.kubelet_socket = os.path.join(self.kdir, "kubelet.sock")
         self.podresources_socket = os.path.join(self.kdir, "pod-resources", "kubelet.sock")
         self.plugin_socket = os.path.join(self.kdir, SOCKET)
+        # the node's CDI spec directories, standing in for /etc/cdi and /var/run/cdi (not created)
+        self.cdi_dirs = (os.path.join(self.root, "etc-cdi"), os.path.join(self.root, "run-cdi"))
         self.kubelet: SimKubelet | None = None
         self.client = SimKubeletClient(self.kdir)
         self.agents: list[Agent] = []
@@ -89,7 +91,7 @@ class Node:
 
     def agent(self, *args: str, env: dict | None = None, nvml: bool = True,
               kubelet: bool = True) -> Agent:
-        argv = ["run", "--state-dir", self.state]
+        argv = ["run", "--state-dir", self.state, "--cdi-spec-dirs", ",".join(self.cdi_dirs)]
         if kubelet:
             argv += ["--kubelet-socket", self.kubelet_socket,
                      "--pod-resources-socket", self.podresources_socket]

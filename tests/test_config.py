@@ -134,6 +134,8 @@ PRECEDENCE = {
     "pod_resources_socket": ("/run/pr/kubelet.sock", "", "/flag/pr.sock",
                              ("/run/pr/kubelet.sock", "", "/flag/pr.sock")),
     "reconcile_interval": ("5m", "90s", "1m30s", (300.0, 90.0, 90.0)),
+    "cdi_spec_dirs": (["/etc/cdi"], "/env/cdi,/run/cdi", "/flag/cdi",
+                      (("/etc/cdi",), ("/env/cdi", "/run/cdi"), ("/flag/cdi",))),
 }
 
 
