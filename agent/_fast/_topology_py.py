@@ -20,6 +20,7 @@ from agent._fast._topology_checks import (
     check_mask,
     check_request,
     check_scores,
+    tree_split,
 )
 from agent._fast._types import (
     MAX_GPUS,
@@ -135,10 +136,25 @@ class PairScores:
                                                 for x in range(n) if x != i and x != j):
                     twins[i] |= 1 << j
         self._twins_after = twins
+        # Tree-shaped scores (but for a few odd GPUs): (root, masks, cross, kids) of the other
+        # GPUs' tree, searched by the tree DP once per subset of the odd GPUs.
+        split = tree_split(matrix)
+        self._odd, self._tree = split if split is not None else ([], None)
 
     @property
     def n(self) -> int:
         return self._n
+
+    @property
+    def tree_shaped(self) -> bool:
+        """True when the scores are tree-shaped, but for at most MAX_ODD odd GPUs, and searches
+        use the exact tree DP rather than branch and bound."""
+        return self._tree is not None
+
+    @property
+    def odd_gpus(self) -> tuple[int, ...]:
+        """The GPUs set aside to make the rest tree-shaped (empty unless `tree_shaped`)."""
+        return tuple(self._odd)
 
     def pair(self, i: int, j: int) -> int:
         """The score of GPUs i and j (0 for i == j)."""
@@ -160,10 +176,11 @@ class PairScores:
     def search(self, available: int, must: int, k: int,
                policy: str = "best-effort") -> tuple[int, int]:
         """(mask, nodes): the best k-GPU subset of `available` holding `must`, and how many
-        search nodes it took. Best: the highest set score, then the fewest GPUs of unknown NUMA
-        node, then the smallest sum of link degrees within `available` (the least link weight
-        taken from what stays free), then the lowest GPU indices. `packed` first narrows
-        `available` to the tightest group of the score tree that holds the request."""
+        branch-and-bound nodes it took (0 when the tree DP answered: tree-shaped scores). Best:
+        the highest set score, then the fewest GPUs of unknown NUMA node, then the smallest sum
+        of link degrees within `available` (the least link weight taken from what stays free),
+        then the lowest GPU indices. `packed` first narrows `available` to the tightest group
+        of the score tree that holds the request."""
         avail, must, k, packed = check_request(self._n, available, must, k, policy)
         s, n = self._s, self._n
         members = list(_bits(avail))
@@ -171,6 +188,8 @@ class PairScores:
         for c in members:
             w[c] = (UNKNOWN_NUMA_WEIGHT if self._unknown[c] else 0) + sum(s[c][y] for y in members)
         region = self._packed_region(avail, must, k) if packed else avail
+        if self._tree is not None:
+            return self._tree_search(region, must, k, w), 0
         gain = [0] * n
         score_p = w_p = 0
         for x in _bits(must):
@@ -182,6 +201,37 @@ class PairScores:
         st.greedy(must, k - _popcount(must), score_p, w_p, region & ~must)
         st.dfs(must, k - _popcount(must), score_p, w_p, region & ~must)
         return st.best_set, st.nodes
+
+    def _tree_search(self, region: int, must: int, k: int, w: list[int]) -> int:
+        """The tree DP's answer (topology.pyx's `_tree_search`): for each subset of the odd GPUs
+        in `region` (holding the must-include ones, in counting order), the DP over the other
+        GPUs' tree with each GPU's score to that subset added to it; the best by `_better`."""
+        s, n = self._s, self._n
+        odd = [x for x in self._odd if region >> x & 1]
+        odd_mask = 0
+        for x in self._odd:
+            odd_mask |= 1 << x
+        best = None
+        for pick in range(1 << len(odd)):
+            chosen = [odd[b] for b in range(len(odd)) if pick >> b & 1]
+            mask = 0
+            for x in chosen:
+                mask |= 1 << x
+            left = k - len(chosen)
+            if must & odd_mask & ~mask or left < 0:
+                continue
+            gain = [sum(s[x][c] for x in chosen) for c in range(n)]
+            score = sum(s[a][b] for y, a in enumerate(chosen) for b in chosen[y + 1:])
+            weight = sum(w[x] for x in chosen)
+            table = _tree_table(self._tree, n, self._tree[0], region & ~odd_mask,
+                                must & ~odd_mask, left, w, gain)
+            if left >= len(table) or table[left] is None:
+                continue
+            score_t, weight_t, mask_t = table[left]
+            cand = (score + score_t, weight + weight_t, mask | mask_t)
+            if best is None or _better(cand, best):
+                best = cand
+        return best[2]
 
     def _packed_region(self, avail: int, must: int, k: int) -> int:
         """Descend the score tree from `avail`: at each score threshold, ascending, keep the
@@ -215,6 +265,59 @@ class PairScores:
                 break
             node = best
         return node
+
+
+def _better(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    """Whether set a = (score, weight, mask) comes before set b of the same size: the higher
+    score, the lower weight, then the one holding the lowest GPU of the two's difference (for
+    sets of one size, that is the lexicographically lower sorted index list)."""
+    if a[0] != b[0]:
+        return a[0] > b[0]
+    if a[1] != b[1]:
+        return a[1] < b[1]
+    d = a[2] ^ b[2]
+    return bool(a[2] & d & -d)
+
+
+def _tree_table(tree, n: int, node: int, region: int, must: int, k: int, w: list[int],
+                gain: list[int]) -> list[tuple[int, int, int] | None]:
+    """The tree DP (topology.pyx's `_table`): for each count c = 0..min(k, GPUs of `region`
+    under `node`), the best set of c GPUs of the node's group holding its must-include GPUs, as
+    (score, weight, mask), None where there is none; a set's score counts gain[g] for each of
+    its GPUs g (its score to the odd GPUs taken). A group's children are combined one by
+    one, a knapsack over counts: c1 GPUs from the ones so far and c2 from the next child add
+    cross * c1 * c2 (every pair across two children scores `cross`). Each table entry is the
+    best of its count by the search's full order, and that order is kept by unions of disjoint
+    sets, so the root's entry k is the search's answer."""
+    _, masks, cross, kids = tree
+    if not masks[node] & region:
+        return [(0, 0, 0)]
+    if node < n:
+        bit = 1 << node
+        return [None if must & bit else (0, 0, 0), (gain[node], w[node], bit)][:k + 1]
+    out = None
+    t = cross[node]
+    for kid in kids[node]:
+        if not masks[kid] & region:
+            continue
+        sub = _tree_table(tree, n, kid, region, must, k, w, gain)
+        if out is None:
+            out = sub
+            continue
+        a, b = len(out) - 1, len(sub) - 1
+        merged: list[tuple[int, int, int] | None] = []
+        for total in range(min(k, a + b) + 1):
+            best = None
+            for j in range(max(0, total - a), min(b, total) + 1):
+                x, y = out[total - j], sub[j]
+                if x is None or y is None:
+                    continue
+                cand = (x[0] + y[0] + t * (total - j) * j, x[1] + y[1], x[2] | y[2])
+                if best is None or _better(cand, best):
+                    best = cand
+            merged.append(best)
+        out = merged
+    return out
 
 
 class _State:

@@ -3,7 +3,8 @@ GPUs, on uint64_t bitmasks (compiled; twin: _topology_py.py).
 
 Owns: joining GPUs whose NVML topology level is <= a threshold into groups, transitively, and
 the tree of those groups over every level; `PairScores`, a pair-score matrix converted once
-into C arrays, and its branch-and-bound search. One conversion in (the Python matrix,
+into C arrays, and its exact search: a DP over the group tree when the scores are tree-shaped,
+else branch and bound. One conversion in (the Python matrix,
 validated into a C array; per search, three ints), the work fully nogil on bitmasks (bit i =
 GPU index i, at most 64 GPUs), one conversion out (ints). Must not call NVML (the caller passes
 the levels or scores) nor import anything of `agent` but `errors` and the siblings `_types` /
@@ -27,6 +28,7 @@ from agent._fast._topology_checks import (
     check_mask,
     check_request,
     check_scores,
+    tree_split,
 )
 
 __all__ = ["PairScores", "build_tree", "groups_at_level"]
@@ -442,6 +444,166 @@ cdef uint64_t _packed_region(const int* s, int n, uint64_t avail, uint64_t must,
     return node
 
 
+# -- the tree DP (tree-shaped scores) ---------------------------------------------------------
+
+cdef enum:
+    TREE_NODES = 2 * TOPOLOGY_MAX_GPUS  # GPUs, then at most n - 1 groups
+
+
+cdef struct Entry:
+    int64_t score                 # -1: no set of this count
+    int64_t weight
+    uint64_t mask
+
+
+cdef struct Tree:
+    int n
+    int k
+    uint64_t region
+    uint64_t must
+    const uint64_t* masks         # per node, its GPUs (node i < n: GPU i)
+    const int* cross              # per group, the score of every pair across two children
+    const int* kid_start          # per group, where its children start in kids
+    const int* kid_count
+    const int* kids
+    const int64_t* w              # tie-break weight of each GPU for this search
+    const int64_t* gain           # each GPU's score to the odd GPUs taken
+
+
+cdef inline bint _better(int64_t score, int64_t weight, uint64_t mask,
+                         const Entry* than) noexcept nogil:
+    """The twin's `_better`: higher score, lower weight, then holding the lowest GPU of the
+    difference."""
+    cdef uint64_t d
+    if score != than.score:
+        return score > than.score
+    if weight != than.weight:
+        return weight < than.weight
+    d = mask ^ than.mask
+    return (mask & d & (~d + 1)) != 0
+
+
+cdef int _table(const Tree* tr, int node, Entry* out) noexcept nogil:
+    """The twin's `_tree_table` into out[0..size]; returns size (<= k). Combines in place,
+    counts descending, so one child table of k + 1 entries per level of the tree is all the
+    stack it takes (under 100 KiB at 64 GPUs)."""
+    cdef Entry sub[TOPOLOGY_MAX_GPUS + 1]
+    cdef int size = -1, b, x, j, total, top, kid, k = tr.k
+    cdef int64_t t, score, weight
+    cdef uint64_t bit, mask
+    cdef Entry best
+    cdef Entry* a
+    if not (tr.masks[node] & tr.region):
+        out[0].score = 0
+        out[0].weight = 0
+        out[0].mask = 0
+        return 0
+    if node < tr.n:
+        bit = (<uint64_t>1) << node
+        out[0].score = -1 if tr.must & bit else 0
+        out[0].weight = 0
+        out[0].mask = 0
+        if k == 0:
+            return 0
+        out[1].score = tr.gain[node]
+        out[1].weight = tr.w[node]
+        out[1].mask = bit
+        return 1
+    t = tr.cross[node]
+    for x in range(tr.kid_count[node]):
+        kid = tr.kids[tr.kid_start[node] + x]
+        if not (tr.masks[kid] & tr.region):
+            continue
+        if size < 0:
+            size = _table(tr, kid, out)
+            continue
+        b = _table(tr, kid, sub)
+        top = size + b if size + b < k else k
+        total = top
+        while total >= 0:  # out[total] reads only out[<= total], not yet overwritten
+            best.score = -1
+            best.weight = 0
+            best.mask = 0
+            j = total - size if total > size else 0
+            while j <= b and j <= total:
+                a = &out[total - j]
+                if a.score >= 0 and sub[j].score >= 0:
+                    score = a.score + sub[j].score + t * (total - j) * j
+                    weight = a.weight + sub[j].weight
+                    mask = a.mask | sub[j].mask
+                    if best.score < 0 or _better(score, weight, mask, &best):
+                        best.score = score
+                        best.weight = weight
+                        best.mask = mask
+                j += 1
+            out[total] = best
+            total -= 1
+        size = top
+    if size < 0:
+        out[0].score = 0
+        out[0].weight = 0
+        out[0].mask = 0
+        size = 0
+    return size
+
+
+cdef uint64_t _tree_search(Tree* tr, int root, const int* s, const int* odd_all, int nodd_all,
+                           uint64_t region, uint64_t must, int k) noexcept nogil:
+    """The twin's `PairScores._tree_search`: the tree DP once per subset of the odd GPUs in
+    region that holds the must-include ones, the best answer by `_better`."""
+    cdef int odd[TOPOLOGY_MAX_GPUS]
+    cdef int64_t gain[TOPOLOGY_MAX_GPUS]
+    cdef Entry table[TOPOLOGY_MAX_GPUS + 1]
+    cdef Entry best
+    cdef int nodd = 0, x, y, c, b, left, size, n = tr.n
+    cdef uint64_t odd_mask = 0, mask, pick
+    cdef int64_t score, weight
+    for x in range(nodd_all):
+        odd_mask |= (<uint64_t>1) << odd_all[x]
+        if (region >> odd_all[x]) & 1:
+            odd[nodd] = odd_all[x]
+            nodd += 1
+    tr.gain = gain
+    tr.region = region & ~odd_mask
+    tr.must = must & ~odd_mask
+    best.score = -1
+    best.weight = 0
+    best.mask = 0
+    for pick in range((<uint64_t>1) << nodd):
+        mask = 0
+        for b in range(nodd):
+            if (pick >> b) & 1:
+                mask |= (<uint64_t>1) << odd[b]
+        left = k - _popcount(mask)
+        if (must & odd_mask & ~mask) or left < 0:
+            continue
+        for c in range(n):
+            gain[c] = 0
+        score = 0
+        weight = 0
+        for b in range(nodd):
+            if (pick >> b) & 1:
+                x = odd[b]
+                weight += tr.w[x]
+                for c in range(n):
+                    gain[c] += s[x * n + c]
+                for y in range(b + 1, nodd):
+                    if (pick >> y) & 1:
+                        score += s[x * n + odd[y]]
+        tr.k = left
+        size = _table(tr, root, table)
+        if left > size or table[left].score < 0:
+            continue
+        score += table[left].score
+        weight += table[left].weight
+        mask |= table[left].mask
+        if best.score < 0 or _better(score, weight, mask, &best):
+            best.score = score
+            best.weight = weight
+            best.mask = mask
+    return best.mask
+
+
 cdef class PairScores:
     """A symmetric matrix of pair scores, converted once into C arrays, and the exact search
     for the highest-scoring set of k GPUs over it.
@@ -456,6 +618,14 @@ cdef class PairScores:
     cdef unsigned char* _order
     cdef uint64_t _twins_after[TOPOLOGY_MAX_GPUS]
     cdef unsigned char _unknown[TOPOLOGY_MAX_GPUS]
+    cdef int _root                # the group tree's root, -1 when the scores are not tree-shaped
+    cdef int _nodd                # the odd GPUs set aside from the tree (tree_split)
+    cdef int _odd[TOPOLOGY_MAX_GPUS]
+    cdef uint64_t _tmasks[TREE_NODES]
+    cdef int _tcross[TREE_NODES]
+    cdef int _tkid_start[TREE_NODES]
+    cdef int _tkid_count[TREE_NODES]
+    cdef int _tkids[TREE_NODES]
 
     def __cinit__(self):
         self._s = NULL
@@ -500,6 +670,24 @@ cdef class PairScores:
                             break
                     if same:
                         self._twins_after[i] |= (<uint64_t>1) << j
+        self._root = -1
+        self._nodd = 0
+        split = tree_split(matrix)
+        if split is not None:
+            odd, (root, masks, cross, kids) = split
+            for x in range(len(odd)):
+                self._odd[x] = odd[x]
+            self._nodd = len(odd)
+            t = 0
+            for x in range(len(masks)):
+                self._tmasks[x] = masks[x]
+                self._tcross[x] = cross[x]
+                self._tkid_start[x] = t
+                self._tkid_count[x] = len(kids[x])
+                for y in kids[x]:
+                    self._tkids[t] = y
+                    t += 1
+            self._root = root
 
     def __dealloc__(self):
         free(self._s)
@@ -508,6 +696,17 @@ cdef class PairScores:
     @property
     def n(self):
         return self._n
+
+    @property
+    def tree_shaped(self):
+        """True when the scores are tree-shaped, but for at most MAX_ODD odd GPUs, and searches
+        use the exact tree DP rather than branch and bound."""
+        return self._root >= 0
+
+    @property
+    def odd_gpus(self):
+        """The GPUs set aside to make the rest tree-shaped (empty unless `tree_shaped`)."""
+        return tuple(self._odd[x] for x in range(self._nodd))
 
     def pair(self, int i, int j):
         """The score of GPUs i and j (0 for i == j)."""
@@ -537,16 +736,18 @@ cdef class PairScores:
 
     def search(self, available, must, k, policy="best-effort"):
         """(mask, nodes): the best k-GPU subset of `available` holding `must`, and how many
-        search nodes it took. Best: the highest set score, then the fewest GPUs of unknown NUMA
-        node, then the smallest sum of link degrees within `available` (the least link weight
-        taken from what stays free), then the lowest GPU indices. `packed` first narrows
-        `available` to the tightest group of the score tree that holds the request."""
+        branch-and-bound nodes it took (0 when the tree DP answered: tree-shaped scores). Best:
+        the highest set score, then the fewest GPUs of unknown NUMA node, then the smallest sum
+        of link degrees within `available` (the least link weight taken from what stays free),
+        then the lowest GPU indices. `packed` first narrows `available` to the tightest group
+        of the score tree that holds the request."""
         py_avail, py_must, py_k, py_packed = check_request(self._n, available, must, k, policy)
         cdef uint64_t avail = py_avail, req = py_must, region, rest, inner
         cdef int size = py_k, n = self._n, c, y, x
         cdef bint packed = py_packed
         cdef int64_t unknown_weight = UNKNOWN_NUMA_WEIGHT, score_p = 0, w_p = 0, deg
         cdef Search st
+        cdef Tree tr
         st.n = n
         st.s = self._s
         st.order = self._order
@@ -573,14 +774,26 @@ cdef class PairScores:
                     deg += self._s[c * n + y]
                 st.w[c] = deg
             region = _packed_region(self._s, n, avail, req, size) if packed else avail
-            rest = req
-            while rest:
-                x = _lowest(rest)
-                rest &= rest - 1
-                score_p += st.gain[x]
-                w_p += st.w[x]
-                for c in range(n):
-                    st.gain[c] += self._s[x * n + c]
-            _greedy(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
-            _dfs(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
+            if self._root >= 0:
+                tr.n = n
+                tr.masks = self._tmasks
+                tr.cross = self._tcross
+                tr.kid_start = self._tkid_start
+                tr.kid_count = self._tkid_count
+                tr.kids = self._tkids
+                tr.w = st.w
+                # st.nodes stays 0: no branch and bound
+                st.best_set = _tree_search(&tr, self._root, self._s, self._odd, self._nodd,
+                                           region, req, size)
+            else:
+                rest = req
+                while rest:
+                    x = _lowest(rest)
+                    rest &= rest - 1
+                    score_p += st.gain[x]
+                    w_p += st.w[x]
+                    for c in range(n):
+                        st.gain[c] += self._s[x * n + c]
+                _greedy(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
+                _dfs(&st, req, size - _popcount(req), score_p, w_p, region & ~req)
         return st.best_set, st.nodes
