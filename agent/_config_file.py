@@ -218,6 +218,15 @@ SCHEMA: dict = {
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,
+        "allocationPolicy": OPTION,
+        "replicaAllocationPolicy": OPTION,
+        "health": {
+            "disableHealthchecks": OPTION,
+            "enableHealthchecks": OPTION,
+            "xidActions": OPTION,
+            "recoveryQuietPeriod": OPTION,
+            "unhealthyDevicesFile": OPTION,
+        },
     },
     "resources": Section("resources", _dump_resources),
     "sharing": Section("sharing", _dump_sharing),
@@ -225,7 +234,7 @@ SCHEMA: dict = {
 }
 
 # Mappings that only group keys (each key below them has its own value and source).
-GROUPS = ("flags", "flags.plugin", "flags.gfd", "agent")
+GROUPS = ("flags", "flags.plugin", "flags.gfd", "agent", "agent.health")
 
 
 def _schema_leaves(schema: dict, prefix: str = ""):

@@ -23,11 +23,15 @@ from agent._config_values import (
     PathKind,
     PathListKind,
     TextKind,
+    XidActionsKind,
+    XidListKind,
 )
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 DEVICE_ID_STRATEGIES = ("uuid", "index")
+ALLOCATION_POLICIES = ("best-effort", "packed")
+REPLICA_ALLOCATION_POLICIES = ("distributed", "packed")
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
@@ -134,6 +138,53 @@ OPTIONS: tuple[Option, ...] = (
         "agent.reconcileInterval", IntervalKind(), 60.0,
         "how often allocations are matched to pods through podresources, besides at start "
         "and after Allocate; 0: only then",
+    ),
+    Option(
+        "allocation_policy", "--allocation-policy", "GPU_AGENT_ALLOCATION_POLICY",
+        "agent.allocationPolicy", ChoiceKind(*ALLOCATION_POLICIES), "best-effort",
+        "how GetPreferredAllocation picks GPUs: the best-linked set (best-effort), or the "
+        "tightest topology group that fits first, keeping whole NVLink islands free (packed)",
+    ),
+    Option(
+        "replica_allocation_policy", "--replica-allocation-policy",
+        "GPU_AGENT_REPLICA_ALLOCATION_POLICY", "agent.replicaAllocationPolicy",
+        ChoiceKind(*REPLICA_ALLOCATION_POLICIES), "distributed",
+        "how shared replicas are picked: spread over as many GPUs as possible (distributed), "
+        "or fill GPUs already in use first (packed)",
+    ),
+    Option(
+        "disable_healthchecks", "--disable-healthchecks", "DP_DISABLE_HEALTHCHECKS",
+        "agent.health.disableHealthchecks", XidListKind(), "",
+        "XIDs to ignore besides NVIDIA's defaults (comma-separated), or all/xids to turn "
+        "health checks off, as NVIDIA's plugin reads DP_DISABLE_HEALTHCHECKS (docs/health.md)",
+        default_text="none",
+    ),
+    Option(
+        "enable_healthchecks", "--enable-healthchecks", "DP_ENABLE_HEALTHCHECKS",
+        "agent.health.enableHealthchecks", XidListKind(), "",
+        "XIDs that withdraw a GPU even when ignored by default or disabled (comma-separated), "
+        "or all, as NVIDIA's plugin reads DP_ENABLE_HEALTHCHECKS",
+        default_text="none",
+    ),
+    Option(
+        "xid_actions", "--xid-actions", "GPU_AGENT_XID_ACTIONS", "agent.health.xidActions",
+        XidActionsKind(), (),
+        "XID action classes over the catalog defaults: ignore, application, reset, reboot "
+        "(text 48=reset,79=reboot; in the file a mapping)",
+        default_text="the catalog table",
+    ),
+    Option(
+        "recovery_quiet_period", "--recovery-quiet-period", "GPU_AGENT_RECOVERY_QUIET_PERIOD",
+        "agent.health.recoveryQuietPeriod", IntervalKind(minimum=0.0), 60.0,
+        "how long a GPU withdrawn for a reset-class error must stay free of critical events "
+        "(and then pass a probe) before it returns",
+    ),
+    Option(
+        "unhealthy_devices_file", "--unhealthy-devices-file",
+        "GPU_AGENT_UNHEALTHY_DEVICES_FILE", "agent.health.unhealthyDevicesFile",
+        PathKind(empty="no isolation file"), "/etc/nvidia-device-plugin/unhealthyDevices.json",
+        "the manual isolation file {\"index\": [...], \"uuid\": [...]}: devices listed are "
+        "withdrawn; empty: none",
     ),
     Option(
         "cdi_spec_dirs", "--cdi-spec-dirs", "GPU_AGENT_CDI_SPEC_DIRS", "agent.cdiSpecDirs",

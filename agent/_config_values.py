@@ -333,6 +333,89 @@ class IntervalKind(Kind):
         return self.to_text(value)
 
 
+# The XID action classes (agent.health.policy.ACTIONS; tests keep the two equal).
+XID_ACTIONS = ("ignore", "application", "reset", "reboot")
+
+
+class XidListKind(Kind):
+    """NVIDIA's DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS value: `all`, `xids`, or
+    comma-separated XIDs, kept as written (empty: none). Malformed XIDs are not refused here:
+    NVIDIA's plugin skips them with a log line, and so does agent.health.policy. In the file
+    also an integer or a list of XIDs."""
+
+    metavar = "XIDS"
+    text_form = "all, xids or comma-separated XIDs"
+
+    def from_text(self, text: Any) -> str:
+        return self.check(expect_str(text))
+
+    def from_data(self, value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, list):
+            items = []
+            for i, item in enumerate(value):
+                if isinstance(item, bool) or not isinstance(item, (int, str)):
+                    raise Invalid(f"expected an XID, got {describe(item)}", f"[{i}]")
+                items.append(str(item))
+            return self.check(",".join(items))
+        return self.check(expect_str(value, "all, xids, or comma-separated XIDs"))
+
+    def check(self, value: str) -> str:
+        if any(ord(ch) < 32 for ch in value):
+            raise Invalid(f"{value!r} contains control characters")
+        return value
+
+
+class XidActionsKind(Kind):
+    """XID -> action class overrides: `48=reset,79=reboot` as text, a mapping {48: reset} in
+    the file; held as a sorted tuple of (xid, action) pairs (empty: the catalog defaults)."""
+
+    metavar = "XID=ACTION,..."
+    text_form = "comma-separated XID=ACTION"
+
+    @staticmethod
+    def _pair(xid: Any, action: Any, subkey: str) -> tuple[int, str]:
+        if isinstance(xid, str) and xid.strip().isdigit() and xid.strip().isascii():
+            xid = int(xid.strip())
+        if isinstance(xid, bool) or not isinstance(xid, int) or not 0 <= xid < 2**64:
+            raise Invalid(f"{describe(xid)} is not an XID (an unsigned integer)", subkey)
+        if not isinstance(action, str) or action not in XID_ACTIONS:
+            raise Invalid(f"{describe(action)} is not one of {', '.join(XID_ACTIONS)}", subkey)
+        return xid, action
+
+    def from_text(self, text: Any) -> tuple[tuple[int, str], ...]:
+        text = expect_str(text)
+        out = {}
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            if "=" not in item:
+                raise Invalid(f"{item!r} is not XID=ACTION (e.g. 48=reset)")
+            xid, action = (s.strip() for s in item.split("=", 1))
+            xid, action = self._pair(xid, action, "")
+            out[xid] = action
+        return tuple(sorted(out.items()))
+
+    def from_data(self, value: Any) -> tuple[tuple[int, str], ...]:
+        if not isinstance(value, dict):
+            raise Invalid(f"expected a mapping of XID to action, e.g. {{48: reset}}, got "
+                          f"{describe(value)}")
+        out = {}
+        for xid, action in value.items():
+            xid_n, action = self._pair(xid, action, f".{xid}")
+            if xid_n in out:
+                raise Invalid(f"XID {xid_n} is given twice", f".{xid}")
+            out[xid_n] = action
+        return tuple(sorted(out.items()))
+
+    def to_data(self, value: Any) -> dict:
+        return {xid: action for xid, action in value}
+
+    def to_text(self, value: Any) -> str:
+        return ",".join(f"{xid}={action}" for xid, action in value)
+
+
 class PathListKind(Kind):
     """One or more distinct absolute paths: comma-separated as text, a path or a list of paths
     in the file (agent.cdiSpecDirs)."""

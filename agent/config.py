@@ -90,10 +90,17 @@ class Config:
     kubelet_socket: str  # "": do not connect to kubelet (NVIDIA's meaning)
     state_dir: str
     nvml_library: str
-    cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first
     checkpoint_device_id_strategy: str
     pod_resources_socket: str  # "": do not ask kubelet's podresources
     reconcile_interval: float  # seconds; 0: only at start and after Allocate
+    allocation_policy: str  # best-effort | packed (agent.rm.preferred)
+    replica_allocation_policy: str  # distributed | packed
+    disable_healthchecks: str  # DP_DISABLE_HEALTHCHECKS as written (agent.health.policy)
+    enable_healthchecks: str  # DP_ENABLE_HEALTHCHECKS as written
+    xid_actions: tuple[tuple[int, str], ...]  # (xid, action) overrides of the catalog
+    recovery_quiet_period: float  # seconds
+    unhealthy_devices_file: str  # "": no isolation file
+    cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first
     resources: Resources
     sharing: Sharing
     imex: Imex

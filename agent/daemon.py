@@ -33,6 +33,8 @@ from typing import Any
 from agent import __version__
 from agent.config import Config, load_config
 from agent.errors import AgentError, ConfigError, NvmlError, NvmlLibraryError
+from agent.health.monitor import HealthMonitor, monitor_from_config
+from agent.health.monitor import format_status as format_health
 from agent.kubelet.plugin import PluginServer, RegistrationError
 from agent.kubelet.podresources import AllocationState, format_state
 from agent.kubelet.watch import CREATED, DELETED, DIR_GONE, SocketDirWatch
@@ -41,6 +43,7 @@ from agent.rm import cdi
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
+from agent.rm.topology import TopologyModel
 from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
@@ -133,9 +136,13 @@ class Daemon:
         self.nvml_backoff = NVML_RETRY_FIRST_S
         self.gpus: list[discovery.Gpu] = []
         self.cdi: cdi.CdiCheck | None = None  # the last CDI spec check (cdi-* strategies)
+        self.topology: TopologyModel | None = None  # rebuilt when the GPU set changes
         # allocation journal and its reconciliation with podresources (agent.state)
         self.state: AllocationState | None = None
         self._state_written = -1
+        # device health (agent.health): the event loop, recovery, isolation
+        self.health: HealthMonitor | None = None
+        self._health_dirty = False
         # resources
         self.managers: dict[str, ResourceManager] = {}
         self.plugins: dict[str, _Plugin] = {}
@@ -244,18 +251,38 @@ class Daemon:
         if not gpus:
             log.warning("no GPUs found: advertising nothing")
 
+    def _topology(self) -> TopologyModel:
+        """The link model of the GPUs, read from NVML once per GPU set (at start, and when a
+        reload finds other GPUs); pairs NVML cannot describe count as SYS (agent.nvml)."""
+        gpus = sorted(self.gpus, key=lambda g: g.index)
+        if self.topology is not None and \
+                [g.uuid for g in self.topology.gpus] == [g.uuid for g in gpus]:
+            return self.topology
+        try:
+            links = discovery.read_links(gpus)
+        except NvmlError as exc:
+            log.warning("GPU links unreadable (%s): every pair counts as SYS", exc)
+            links = {}
+        self.topology = TopologyModel.from_links(gpus, links)
+        log.info("GPU topology: %s", self.topology.summary())
+        return self.topology
+
     # -- resources and servers ---------------------------------------------------------------
 
     def _build_and_serve(self) -> None:
         cfg = self.cfg
         options = response_options(cfg)
         journal = self.state.record_allocation if self.state is not None else None
+        topology = self._topology()
         self.managers = {
-            name: ResourceManager(name, devices, options, journal=journal)
+            name: ResourceManager(name, devices, options, journal=journal, topology=topology,
+                                  allocation_policy=cfg.allocation_policy,
+                                  replica_policy=cfg.replica_allocation_policy)
             for name, devices in devices_by_resource(self.gpus, cfg.resources.gpus).items()
         }
         if self.state is not None:
             self.state.poke()  # the GPUs are known now: match records to them
+        self._start_health()  # before serving: the first snapshot has the recorded faults
         for name, m in self.managers.items():
             log.info("resource %s: %d devices (%s)", name, len(m.devices),
                      ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" for d in m.devices))
@@ -470,6 +497,7 @@ class Daemon:
         self.phase = "stopping"
         self.notifier.stopping(self._summary())
         signal.set_wakeup_fd(-1)
+        self._stop_health()
         for p in self.plugins.values():
             p.server.manager.close()
             p.server.stop()
@@ -632,8 +660,9 @@ class Daemon:
             "reloads": self.reloads,
             "lastError": self.last_error,
             "resources": resources,
-            "cdi": self.cdi.to_json() if self.cdi is not None else None,
             "state": self.state.status() if self.state is not None else None,
+            "cdi": self.cdi.to_json() if self.cdi is not None else None,
+            "health": self.health.status() if self.health is not None else None,
         }
 
     def _publish(self) -> None:
@@ -644,6 +673,8 @@ class Daemon:
             self._write_status()
         elif self.state is not None and self.state.version != self._state_written:
             self._write_status()  # new allocations or attributions: keep status.json current
+        elif self._health_dirty:
+            self._write_status()  # a health transition or an isolation-file problem
 
     def _prepare_state_dir(self) -> None:
         try:
@@ -652,6 +683,38 @@ class Daemon:
             log.warning("cannot create the state directory %s: %s (status is not written)",
                         self.cfg.state_dir, exc)
             self._status_warned = True
+
+    def _start_health(self) -> None:
+        """(Re)start the health monitor on the current devices (agent.health); its faults
+        persist in the state directory, so a reload keeps withdrawn GPUs withdrawn."""
+        self._stop_health()
+        devices = [d for m in self.managers.values() for d in m.devices]
+        self.health = monitor_from_config(self.cfg, library_path=self.nvml_path, gpus=self.gpus,
+                                          devices=devices, sink=self._apply_health,
+                                          on_change=self._health_changed)
+        self.health.start()
+
+    def _stop_health(self) -> None:
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
+
+    def _apply_health(self, changes) -> None:
+        """From the health monitor's threads: one batch of device health to the managers."""
+        for manager in list(self.managers.values()):
+            mine = {i: state for i, state in changes.items() if i in manager.by_id}
+            if mine:
+                manager.set_health_many(mine)
+
+    def _health_changed(self) -> None:
+        """From the health monitor's threads: status.json needs rewriting; wake the loop."""
+        self._health_dirty = True
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"h")
+                except BlockingIOError:
+                    pass  # the pipe is full: the loop is awake anyway
 
     def _start_state(self) -> None:
         """Load the allocation checkpoint (a bad one is set aside) and start reconciling."""
@@ -675,6 +738,7 @@ class Daemon:
             return
         if self.state is not None:
             self._state_written = self.state.version
+        self._health_dirty = False
         path = os.path.join(self.cfg.state_dir, STATUS_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
@@ -734,14 +798,16 @@ def format_status(doc: dict) -> str:
             lines.append(f"  GPU {d['index']} {d['uuid']} NUMA {numa}: "
                          f"{'healthy' if d['healthy'] else 'unhealthy'}"
                          + (f" ({d['reason']})" if d.get("reason") else ""))
-    if doc.get("state"):
-        lines += format_state(doc["state"])
     if doc.get("cdi"):
         c = doc["cdi"]
         lines.append(f"CDI ({', '.join(c['strategies'])}): "
                      + (f"all {c['wanted']} device names defined" if c["ok"] else
                         f"{len(c['missing'])} of {c['wanted']} device names missing from the "
                         f"specs in {', '.join(c['dirs'])}: {', '.join(c['missing'])}"))
+    if doc.get("state"):
+        lines += format_state(doc["state"])
+    if doc.get("health"):
+        lines += format_health(doc["health"])
     return "\n".join(lines)
 
 

@@ -127,7 +127,8 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
 
         agent_args = ["run", "--kubelet-socket", str(dp_dir / "kubelet.sock"),
                       "--nvml-library", path, "--state-dir", str(work / "state"),
-                      "--device-list-strategy", "envvar,cdi-cri"]
+                      "--device-list-strategy", "envvar,cdi-cri", "--recovery-quiet-period", "1s",
+                      "--unhealthy-devices-file", str(work / "unhealthyDevices.json")]
         say("4. The agent registers with kubelet",
             f"  W={work}\n  gpu-agent " + " ".join(agent_args).replace(path, "$(gpu-agent sim lib-path)")
             .replace(str(work), "$W"))
@@ -166,6 +167,13 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                     [[f"GPU{a.index}", *["X" if a.index == b.index
                                          else links[(a.index, b.index)].label for b in picked]]
                      for a in picked], indent="    "))
+        from agent.rm.topology import TopologyModel
+        model = TopologyModel.from_links(gpus, links)
+        chosen = sum(1 << model.by_uuid[g.uuid].pos for g in picked)
+        best = model.search.best_set((1 << len(model.gpus)) - 1, 0, size)
+        print(f"  set score {model.search.set_score(chosen)} (the sum of its pair scores: 100 "
+              f"per NVLink, PIX 50 ... SYS 10, +5 on one NUMA node; docs/allocation.md); the "
+              f"best {size}-GPU set of this node scores {model.search.set_score(best)}")
         r = alloc.container_response
         rows = [[f"env {k}", v] for k, v in sorted(r.envs.items())]
         rows += [["CDI device", c.name] for c in r.cdi_devices]
@@ -180,7 +188,7 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                         for i, item in enumerate(items)]
         print(table(["field", "value"], wrapped, indent="    "))
 
-        say("7. Health signal path: NVML event → agent._fast event loop",
+        say("7. Health signal path: NVML event → agent._fast event loop → kubelet, and back",
             f"  hot paths: {_fast.IMPLEMENTATION}")
         events = _fast.events_impl
         with events.EventSet(path) as es:
@@ -188,18 +196,31 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                 es.register(g.index, XID_EVENT)
             victim = gpus[min(3, len(gpus) - 1)]
             print(f"  registered XidCriticalError on {len(gpus)} GPUs; injecting: "
-                  f"gpu-agent sim inject-xid --gpu {victim.index} --xid 79")
+                  f"gpu-agent sim inject-xid --gpu {victim.index} --xid 48")
             control.check_gpu(victim.index)  # validate first: time the delivery only
             t0 = time.perf_counter()
-            control.inject_xid(str(ctl), victim.index, 79)
+            control.inject_xid(str(ctl), victim.index, 48)
             ev = es.wait(2000)
             dt = (time.perf_counter() - t0) * 1e6
             if ev is None:
                 raise RuntimeError("the injected XID was not delivered")
             print(table(["GPU", "UUID", "event", "XID", "delivered in"],
                         [[ev.index, ev.uuid, "XidCriticalError", ev.xid, f"{dt:.0f} µs"]]))
-        print("  (withdrawing the GPU from kubelet on such an event comes with the health "
-              "state machine)")
+        # The agent's own event loop saw the same XID: kubelet gets a snapshot without the GPU,
+        # and XID 48 (reset-class) lets it come back after the quiet period and a probe.
+        state = _wait_state(client, lambda s: victim.uuid not in s.resource(RESOURCE).healthy_ids,
+                            agent, agent_log, "the withdrawal")
+        res = state.resource(RESOURCE)
+        snap = res.latest_snapshot
+        print(f"  the agent withdrew GPU {victim.index}: kubelet got snapshot #{snap.seq} with it "
+              f"Unhealthy, allocatable {res.allocatable}/{res.capacity}")
+        t1 = time.monotonic()
+        state = _wait_state(client, lambda s: victim.uuid in s.resource(RESOURCE).healthy_ids,
+                            agent, agent_log, "the recovery")
+        res = state.resource(RESOURCE)
+        print(f"  XID 48 is reset-class: after {time.monotonic() - t1:.1f} s without a new "
+              f"critical event and a passing NVML probe it is back, allocatable "
+              f"{res.allocatable}/{res.capacity} (docs/health.md)")
 
         say("8. Kubelet restart: the agent registers again",
             f"  gpu-agent sim kubelet-restart --dir {dp_dir}")

@@ -60,6 +60,8 @@ class Node:
         self.kubelet_socket = os.path.join(self.kdir, "kubelet.sock")
         self.podresources_socket = os.path.join(self.kdir, "pod-resources", "kubelet.sock")
         self.plugin_socket = os.path.join(self.kdir, SOCKET)
+        # the manual isolation file the agent watches (agent.health.isolation); not created here
+        self.isolation = os.path.join(self.root, "unhealthyDevices.json")
         # the node's CDI spec directories, standing in for /etc/cdi and /var/run/cdi (not created)
         self.cdi_dirs = (os.path.join(self.root, "etc-cdi"), os.path.join(self.root, "run-cdi"))
         self.kubelet: SimKubelet | None = None
@@ -91,7 +93,8 @@ class Node:
 
     def agent(self, *args: str, env: dict | None = None, nvml: bool = True,
               kubelet: bool = True) -> Agent:
-        argv = ["run", "--state-dir", self.state, "--cdi-spec-dirs", ",".join(self.cdi_dirs)]
+        argv = ["run", "--state-dir", self.state, "--unhealthy-devices-file", self.isolation,
+                "--cdi-spec-dirs", ",".join(self.cdi_dirs)]
         if kubelet:
             argv += ["--kubelet-socket", self.kubelet_socket,
                      "--pod-resources-socket", self.podresources_socket]

@@ -28,7 +28,7 @@ from agent._config_options import (
     DEVICE_LIST_STRATEGIES,
     MIG_STRATEGIES,
 )
-from agent._config_values import FALSE_TEXT, NVML_SONAME, TRUE_TEXT
+from agent._config_values import FALSE_TEXT, NVML_SONAME, TRUE_TEXT, XID_ACTIONS
 from agent.config import (
     OPTIONS,
     ConfigError,
@@ -134,6 +134,16 @@ PRECEDENCE = {
     "pod_resources_socket": ("/run/pr/kubelet.sock", "", "/flag/pr.sock",
                              ("/run/pr/kubelet.sock", "", "/flag/pr.sock")),
     "reconcile_interval": ("5m", "90s", "1m30s", (300.0, 90.0, 90.0)),
+    "allocation_policy": ("packed", "best-effort", "packed", ("packed", "best-effort", "packed")),
+    "replica_allocation_policy": ("packed", "distributed", "packed",
+                                  ("packed", "distributed", "packed")),
+    "disable_healthchecks": ("48,63", "all", "xids", ("48,63", "all", "xids")),
+    "enable_healthchecks": ([13, 31], "all", "43", ("13,31", "all", "43")),
+    "xid_actions": ({79: "reset"}, "48=ignore", "13=reboot,79=reset",
+                    (((79, "reset"),), ((48, "ignore"),), ((13, "reboot"), (79, "reset")))),
+    "recovery_quiet_period": ("2m", "30s", "0", (120.0, 30.0, 0.0)),
+    "unhealthy_devices_file": ("/srv/iso.json", "", "/flag/iso.json",
+                               ("/srv/iso.json", "", "/flag/iso.json")),
     "cdi_spec_dirs": (["/etc/cdi"], "/env/cdi,/run/cdi", "/flag/cdi",
                       (("/etc/cdi",), ("/env/cdi", "/run/cdi"), ("/flag/cdi",))),
 }
@@ -918,6 +928,13 @@ VALUES = {
     "pod_resources_socket": st.one_of(st.just(""), ABS_PATH),
     "reconcile_interval": st.one_of(st.just(0.0), st.integers(1, 86400).map(float),
                                     st.sampled_from([0.1, 0.25, 1.5, 2.75])),
+    "allocation_policy": st.sampled_from(("best-effort", "packed")),
+    "replica_allocation_policy": st.sampled_from(("distributed", "packed")),
+    "disable_healthchecks": st.sampled_from(("", "all", "xids", "48", "13,31,79")),
+    "xid_actions": st.dictionaries(st.integers(0, 2000), st.sampled_from(XID_ACTIONS),
+                                   max_size=3).map(lambda d: tuple(sorted(d.items()))),
+    "recovery_quiet_period": st.sampled_from((0.0, 1.0, 60.0, 90.5)),
+    "unhealthy_devices_file": st.one_of(st.just(""), ABS_PATH),
 }
 LAYERS = ("file", "env", "flag")
 

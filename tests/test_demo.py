@@ -27,7 +27,10 @@ def test_demo_walks_through_and_exits_zero(profile):
                        r"([\d, ]+)\n", out)
     assert picked and picked.group(1) == picked.group(3) and len(picked.group(1).split(",")) == 4
     assert "env NVIDIA_VISIBLE_DEVICES  GPU-" in out and "CDI device" in out
-    assert "XidCriticalError  79" in out
+    assert "XidCriticalError  48" in out
+    assert re.search(r"the agent withdrew GPU \d: kubelet got snapshot #\d+ with it Unhealthy, "
+                     r"allocatable 7/8", out), out
+    assert "and a passing NVML probe it is back, allocatable 8/8" in out
     assert re.search(r"nvidia.com/gpu  2 +open +8 +GPUs " + picked.group(1), out), out
     assert "gpu-agent: SIGTERM → exit 0; its socket removed: yes" in out
     assert "simulated kubelet stopped (exit 0)" in out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +25,7 @@ from agent.rm.allocate import (
 )
 from agent.rm.devices import Device
 from agent.rm.preferred import preferred_allocation
+from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,23 @@ class ResourceManager:
 
     def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions, *,
                  journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
-                 | None = None):
+                 | None = None, topology: TopologyModel | None = None,
+                 allocation_policy: str = "best-effort",
+                 replica_policy: str = "distributed"):
         self.resource = resource
         self.options = options
+        self.allocation_policy = allocation_policy
+        self.replica_policy = replica_policy
         # Called with (resource, [(devices, response) per container]) before Allocate answers;
         # it returns once the allocation is durable or raises (agent.state.journal).
         self.journal = journal
         self.devices: tuple[Device, ...] = tuple(devices)
         self.by_id = {d.id: d for d in self.devices}
+        # The node's link model, built once per device set (agent.rm.topology); without one,
+        # or when it lacks one of these GPUs, a NUMA-only model of these devices.
+        if topology is None or not topology.covers(d.gpu_uuid for d in self.devices):
+            topology = TopologyModel.numa_only(self.devices)
+        self.topology = topology
         self._health = {d.id: (True, "") for d in self.devices}
         self._cond = threading.Condition()
         self._version = 1
@@ -117,6 +127,29 @@ class ResourceManager:
                  "healthy" if healthy else "unhealthy", f": {reason}" if reason else "")
         return True
 
+    def set_health_many(self, changes: Mapping[str, tuple[bool, str]]) -> bool:
+        """Record several devices' (healthy, reason) at once: one transition touching many
+        devices is one new version, so ListAndWatch sends one snapshot. A reason that changes
+        without the health is kept without a new version; unknown IDs are skipped (they are
+        another resource's). True when any device's health changed. The health monitor logs
+        the transition (once per GPU), so this logs at DEBUG only."""
+        flipped = []
+        with self._cond:
+            for device_id, (healthy, reason) in changes.items():
+                old = self._health.get(device_id)
+                if old is None or old == (healthy, reason):
+                    continue
+                self._health[device_id] = (healthy, reason)
+                if old[0] != healthy:
+                    flipped.append(device_id)
+            if flipped:
+                self._version += 1
+                self._cond.notify_all()
+        if flipped:
+            log.debug("%s: health of %s changed (version %d)", self.resource,
+                      ", ".join(flipped), self._version)
+        return bool(flipped)
+
     def close(self) -> None:
         """Wake every waiter for good (the streams following this manager end)."""
         with self._cond:
@@ -139,4 +172,6 @@ class ResourceManager:
         """The preferred device IDs for each container request, in order; RequestError if one
         cannot be met."""
         return [preferred_allocation(self.resource, r.available, r.must_include, r.size,
-                                     self.by_id) for r in requests]
+                                     self.by_id, model=self.topology,
+                                     policy=self.allocation_policy,
+                                     replica_policy=self.replica_policy) for r in requests]
