@@ -29,9 +29,9 @@ from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
 log = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "gpu-agent-"
-# A ListAndWatch stream wakes at least this often to notice that kubelet went away (stop()
-# wakes it at once).
-STREAM_POLL_S = 0.2
+# A ListAndWatch stream is woken at once when kubelet goes away (an RPC-termination callback)
+# or the server stops; this is only the safety net, long so that an idle agent stays asleep.
+STREAM_POLL_S = 5.0
 REGISTER_TIMEOUT_S = 5.0
 WORKERS = 16
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
@@ -87,11 +87,13 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
                  manager.resource, len(snapshot.devices),
                  sum(1 for h in snapshot.devices if h.healthy))
         plugin.streams_opened()
+        context.add_callback(manager.wake)  # kubelet gone: end the wait below at once
         try:
             yield list_response(snapshot)
             while context.is_active() and not plugin.stopping:
-                current = manager.wait_for_change(snapshot.version, STREAM_POLL_S,
-                                                  lambda: plugin.stopping)
+                current = manager.wait_for_change(
+                    snapshot.version, STREAM_POLL_S,
+                    lambda: plugin.stopping or not context.is_active())
                 if current.closed:
                     return
                 if current.version != snapshot.version:
