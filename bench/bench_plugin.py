@@ -206,6 +206,13 @@ def run() -> Section:
         "PyYAML), NVML init and discovery on the simulated library, and kubelet's dial-back.",
         "Restart: the agent waits 0.1 s after the first inotify event for kubelet's burst of "
         "socket changes to end before it restarts its server and registers once.",
+        "Every Allocate is journaled durably before it is answered (docs/state.md): two "
+        "fsyncs on this VM's disk per write. These calls come straight to the plugin socket, "
+        "not from a pod kubelet admitted, so podresources never claims their records: all of "
+        "them stay (300 s grace) and every write carries them all, up to "
+        f"{len(one) + len(many) + 100:,} records. That growth is what the Allocate and the "
+        "RSS-after-load rows show; on a node the journal holds one record per running GPU "
+        "container. The journal's own cost is measured in the allocation-state section.",
     ]
     return section
 

@@ -109,6 +109,16 @@ def test_a_newer_schema_version_is_told_apart_from_damage():
     assert f"schema version {ck.VERSION + 1} is newer than this gpu-agent reads" in str(info.value)
 
 
+@_SETTINGS
+@given(checkpoints)
+def test_the_file_written_in_pieces_is_the_plain_msgpack_frame(cp):
+    # the journal writes encode_chunks one after another; any msgpack reader sees the frame
+    frame = msgpack.unpackb(b"".join(ck.encode_chunks(cp)), raw=False)
+    assert set(frame) == {"format", "version", "sha256", "body"}
+    assert b"".join(ck.encode_chunks(cp)) == msgpack.packb(frame, use_bin_type=True)
+    assert decode(b"".join(ck.encode_chunks(cp))) == cp
+
+
 def test_a_version_changed_by_damage_is_a_checksum_mismatch():
     good = msgpack.unpackb(encode(_sample()))
     good["version"] = 5  # the checksum covers the version

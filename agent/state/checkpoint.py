@@ -21,6 +21,7 @@ agent.state.reconcile matches them to pods).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -155,17 +156,41 @@ def pack_record(r: Record) -> bytes:
 def encode(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record) -> bytes:
     """The file's bytes for `cp` (current version). `packed` gives a record's msgpack bytes:
     the journal passes a cache, records being immutable, so a write packs only new ones."""
+    return b"".join(encode_chunks(cp, packed))
+
+
+def encode_chunks(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record
+                  ) -> list[bytes]:
+    """`encode`'s bytes as pieces to write one after another, without ever joining them: a
+    large checkpoint then never needs one large buffer (glibc keeps freed large buffers in
+    per-thread arenas, and the agent's gRPC threads would each grow one)."""
     p = msgpack.Packer(use_bin_type=True)
-    body = b"".join([
+    body = [
         p.pack_map_header(4),
         p.pack("written"), p.pack(float(cp.written)),
         p.pack("boot"), p.pack(cp.boot),
         p.pack("keyedBy"), p.pack(cp.keyed_by),
         p.pack("records"), p.pack_array_header(len(cp.records)),
         *[packed(r) for r in cp.records],
-    ])
-    return msgpack.packb({"format": FORMAT, "version": VERSION,
-                          "sha256": _digest(VERSION, body), "body": body}, use_bin_type=True)
+    ]
+    digest = hashlib.sha256(b"%d:" % VERSION)
+    for chunk in body:
+        digest.update(chunk)
+    # the frame as msgpack.packb({"format", "version", "sha256", "body"}) writes it, with the
+    # body's bin header written by hand so that the body stays in pieces
+    head = [p.pack_map_header(4), p.pack("format"), p.pack(FORMAT), p.pack("version"),
+            p.pack(VERSION), p.pack("sha256"), p.pack(digest.digest()), p.pack("body"),
+            _bin_header(sum(len(c) for c in body))]
+    return head + body
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of `n` bytes (the Packer has none for bin)."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    return struct.pack(">BI", 0xC6, n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from agent.state.checkpoint import (
     Record,
     Response,
     decode,
-    encode,
+    encode_chunks,
     pack_record,
 )
 from agent.state.reconcile import Outcome
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.msgpack"
 ASIDE_MARK = ".bad-"
+# the write buffer: records are small, so they go to the file in pieces of this size
+WRITE_BUFFER = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,7 @@ class Journal:
                                       keyed_by=self.keyed_by)
                 self._cond.release()
                 try:
-                    error = self._write(encode(snapshot, self._pack))
+                    error = self._write(encode_chunks(snapshot, self._pack))
                     if len(self._packed) > len(snapshot.records) + 64:
                         live = {r.id for r in snapshot.records}
                         self._packed = {k: v for k, v in self._packed.items() if k in live}
@@ -352,20 +354,17 @@ class Journal:
         self._packed[r.id] = (r, data)
         return data
 
-    def _write(self, data: bytes) -> OSError | None:
-        """Write `data` as the checkpoint, atomically and durably; the OSError if it failed
-        (the previous file is then intact)."""
+    def _write(self, chunks: Sequence[bytes]) -> OSError | None:
+        """Write `chunks`, one after another, as the checkpoint, atomically and durably; the
+        OSError if it failed (the previous file is then intact)."""
         tmp = self.path + ".tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
+            with open(fd, "wb", buffering=WRITE_BUFFER) as f:
                 os.fchmod(fd, 0o600)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                f.writelines(chunks)
+                f.flush()
                 os.fsync(fd)
-            finally:
-                os.close(fd)
             os.replace(tmp, self.path)
             self._fsync_dir()
         except OSError as exc:
