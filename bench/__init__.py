@@ -62,3 +62,35 @@ def machine() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
             f"Python {platform.python_version()}")
+
+
+def allocate_concurrently(socket: str, request, callers: int, calls_per_caller: int,
+                          warmup: int = 50) -> tuple[list[float], float]:
+    """Allocate `request` on the plugin socket from `callers` concurrent grpc.aio callers on
+    one channel, each making `calls_per_caller` calls after `warmup` calls; (per-call seconds,
+    wall seconds of the concurrent part)."""
+    import asyncio
+
+    import grpc
+
+    from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+
+    async def main() -> tuple[list[float], float]:
+        async with grpc.aio.insecure_channel(f"unix:{socket}",
+                                             options=[("grpc.enable_http_proxy", 0)]) as ch:
+            stub = dp_grpc.DevicePluginStub(ch)
+            for _ in range(warmup):
+                await stub.Allocate(request, timeout=10)
+            samples: list[float] = []
+
+            async def caller() -> None:
+                for _ in range(calls_per_caller):
+                    start = time.perf_counter()
+                    await stub.Allocate(request, timeout=30)
+                    samples.append(time.perf_counter() - start)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(caller() for _ in range(callers)))
+            return samples, time.perf_counter() - start
+
+    return asyncio.run(main())

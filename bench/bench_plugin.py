@@ -10,7 +10,6 @@ the time from a kubelet restart to the next device list, and the agent's residen
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, percentile
+from bench import Section, allocate_concurrently, percentile
 
 RESOURCE = "nvidia.com/gpu"
 STARTS = 5
@@ -89,26 +88,7 @@ def _allocate_one_caller(socket: str, ids: list[str]) -> list[float]:
 
 def _allocate_many_callers(socket: str, ids: list[str]) -> tuple[list[float], float]:
     request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)])
-
-    async def main() -> tuple[list[float], float]:
-        async with grpc.aio.insecure_channel(f"unix:{socket}",
-                                             options=[("grpc.enable_http_proxy", 0)]) as ch:
-            stub = dp_grpc.DevicePluginStub(ch)
-            for _ in range(50):
-                await stub.Allocate(request, timeout=10)
-            samples: list[float] = []
-
-            async def caller() -> None:
-                for _ in range(CALLS_PER_CALLER):
-                    start = time.perf_counter()
-                    await stub.Allocate(request, timeout=30)
-                    samples.append(time.perf_counter() - start)
-
-            start = time.perf_counter()
-            await asyncio.gather(*(caller() for _ in range(MANY_CALLERS)))
-            return samples, time.perf_counter() - start
-
-    return asyncio.run(main())
+    return allocate_concurrently(socket, request, MANY_CALLERS, CALLS_PER_CALLER)
 
 
 def _ms(seconds: float) -> str:

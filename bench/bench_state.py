@@ -11,7 +11,6 @@ full rewrite (encode + fsync). Figures only; the tests assert behaviour, never t
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import statistics
@@ -26,7 +25,7 @@ import grpc
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from bench import Section, percentile
+from bench import Section, allocate_concurrently, percentile
 
 RESOURCE = "nvidia.com/gpu"
 ONE_CALLER_CALLS = 1000
@@ -109,26 +108,7 @@ def _one_caller(socket: str) -> list[float]:
 
 
 def _many_callers(socket: str) -> list[float]:
-    request = _request()
-
-    async def main() -> list[float]:
-        async with grpc.aio.insecure_channel(f"unix:{socket}",
-                                             options=[("grpc.enable_http_proxy", 0)]) as ch:
-            stub = dp_grpc.DevicePluginStub(ch)
-            for _ in range(50):
-                await stub.Allocate(request, timeout=10)
-            samples: list[float] = []
-
-            async def caller() -> None:
-                for _ in range(CALLS_PER_CALLER):
-                    start = time.perf_counter()
-                    await stub.Allocate(request, timeout=30)
-                    samples.append(time.perf_counter() - start)
-
-            await asyncio.gather(*(caller() for _ in range(MANY_CALLERS)))
-            return samples
-
-    return asyncio.run(main())
+    return allocate_concurrently(socket, _request(), MANY_CALLERS, CALLS_PER_CALLER)[0]
 
 
 def _journal_direct(work: str, threads: int) -> tuple[list[float], int, int]:

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import pynvml
 
-from agent.errors import NvmlError, nvml_error
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _call(fn, *args):
-    try:
-        return fn(*args)
-    except pynvml.NVMLError as exc:
-        raise nvml_error(exc.value, fn.__name__) from exc
+from agent.errors import NvmlError
+from agent.nvml.discovery import _call, _text
 
 
 def probe(uuid: str, pci_bus_id: str | None = None) -> str | None:
