@@ -406,6 +406,7 @@ def test_sighup_applies_new_state_settings(node):
         assert time.monotonic() < deadline, f"settings not applied: {state}\n{agent.log}"
         time.sleep(0.05)
     assert "checkpointDeviceIDStrategy is now index (was uuid)" in agent.log
+    agent.wait_registered(2)  # the reload restarts the servers: admit once kubelet has them
     node.client.admit_pod("train", {"main": {GPU: 1}})
     wait_records(agent, all_attributed(1), "an allocation recorded after the reload")
     assert checkpoint(node).keyed_by == "index"
