@@ -52,8 +52,9 @@ from agent.nvml import probe
 
 log = logging.getLogger(__name__)
 
-# One wait never blocks longer than this: stop() returns within it.
-WAIT_MS = 500
+# One wait never blocks longer than this: stop() returns within it. An idle agent wakes once
+# per wait, so this is also what the loop costs at rest (docs/benchmarks.md).
+WAIT_MS = 1000
 # Recovery checks (probes) run at most this often.
 TICK_S = 0.25
 # After the event set could not be opened, try again this often.
