@@ -65,7 +65,9 @@ class _Node:
                 [sys.executable, "-m", "agent", "run", "--kubelet-socket",
                  os.path.join(self.kdir, "kubelet.sock"), "--state-dir",
                  os.path.join(self.root, "state"), "--nvml-library", str(lib_path()),
-                 "--unhealthy-devices-file", os.path.join(self.root, "isolation.json"), *args],
+                 "--unhealthy-devices-file", os.path.join(self.root, "isolation.json"),
+                 "--pod-resources-socket",
+                 os.path.join(self.kdir, "pod-resources", "kubelet.sock"), *args],
                 env=full, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
@@ -189,7 +191,8 @@ def run() -> Section:
                 f"ListAndWatch snapshot that withdraws the GPU ({LATENCY_SAMPLES} samples). "
                 f"Idle CPU: utime+stime over {IDLE_S:g} s of two freshly registered agents "
                 f"({IDLE_SETTLE_S:g} s after registration), one with the loop waiting, one with "
-                "DP_DISABLE_HEALTHCHECKS=all. Storm: "
+                "DP_DISABLE_HEALTHCHECKS=all, each with the simulated kubelet's podresources socket as on "
+                "a node (reconciling every 60 s). Storm: "
                 f"{STORM:,} XID 13 records appended at once, drained by one EventSet with 13 "
                 "ignored, in a child process per implementation (the simulator's parsing and "
                 "queueing of the records is included and is the same for both). Allocate: "
