@@ -193,26 +193,37 @@ class IsolationWatch:
 
     def _run(self) -> None:
         while True:
-            fds = [self._stop_r] + ([self._wm.get_fd()] if self._wm is not None else [])
-            ready, _, _ = select.select(fds, [], [], RETRY_S)
-            if self._stop_r in ready:
-                return
-            if self._wm is None:
-                if self._watch():
-                    self.reload()  # the directory appeared: the file may be there already
-                continue
-            if not ready:
-                continue
-            while self._notifier.check_events(timeout=0):
-                self._notifier.read_events()
-                self._notifier.process_events()
-            events, self._events[:] = list(self._events), []
-            gone = any(mask & (pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF
-                               | pyinotify.IN_IGNORED) for mask, _ in events)
-            if gone:
-                self._unwatch()
-            if gone or any(name == self.name for _, name in events):
-                self.reload()
+            try:
+                if self._step():
+                    return
+            except Exception:  # the loop boundary: a dead watch would ignore every edit
+                log.exception("isolation watch: unexpected error; going on in %g s", RETRY_S)
+                if select.select([self._stop_r], [], [], RETRY_S)[0]:
+                    return
+
+    def _step(self) -> bool:
+        """Wait for a change and act on it; True when asked to stop."""
+        fds = [self._stop_r] + ([self._wm.get_fd()] if self._wm is not None else [])
+        ready, _, _ = select.select(fds, [], [], RETRY_S)
+        if self._stop_r in ready:
+            return True
+        if self._wm is None:
+            if self._watch():
+                self.reload()  # the directory appeared: the file may be there already
+            return False
+        if not ready:
+            return False
+        while self._notifier.check_events(timeout=0):
+            self._notifier.read_events()
+            self._notifier.process_events()
+        events, self._events[:] = list(self._events), []
+        gone = any(mask & (pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF
+                           | pyinotify.IN_IGNORED) for mask, _ in events)
+        if gone:
+            self._unwatch()
+        if gone or any(name == self.name for _, name in events):
+            self.reload()
+        return False
 
     def stop(self) -> None:
         if self._stop_r < 0:

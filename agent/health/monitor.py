@@ -59,6 +59,9 @@ WAIT_MS = 1000
 TICK_S = 0.25
 # After the event set could not be opened, try again this often.
 REOPEN_RETRY_S = 1.0
+# Waits that fail again right after the set was re-established (a wedged driver) are retried
+# after REOPEN_RETRY_S, doubling up to this, instead of in a tight loop.
+WAIT_ERROR_BACKOFF_MAX_S = 30.0
 EVENT_TYPES = EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC | EVENT_SINGLE_BIT_ECC
 TRANSITIONS_KEPT = 50
 
@@ -116,6 +119,8 @@ class HealthMonitor:
         self._closed_counts = dict.fromkeys(COUNTERS, 0)
         self.reestablished = 0
         self.wait_errors = 0
+        self.loop_errors = 0  # unexpected exceptions caught at the loop boundary
+        self._error_streak = 0  # wait errors since the last good wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: IsolationWatch | None = None
@@ -146,12 +151,18 @@ class HealthMonitor:
     def stop(self) -> None:
         """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set."""
         self._stop.set()
+        stuck = False
         if self._thread is not None:
             self._thread.join(WAIT_MS / 1000 + 30)
+            stuck = self._thread.is_alive()
             self._thread = None
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
+        if stuck:  # an NVML call that never returned: freeing its set under it would crash
+            log.error("health loop did not stop within %g s (an NVML call hangs); its event "
+                      "set is left open", WAIT_MS / 1000 + 30)
+            return
         with self._lock:
             self._close_set()
 
@@ -248,21 +259,37 @@ class HealthMonitor:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            es = self._es
-            if es is None:
-                if self._stop.wait(REOPEN_RETRY_S):
-                    break
+            try:
+                self._step()
+            except Exception:  # the loop boundary: a dead loop would withdraw nothing again
+                self.loop_errors += 1
+                log.exception("health loop: unexpected error; going on in %g s",
+                              REOPEN_RETRY_S)
+                self._stop.wait(REOPEN_RETRY_S)
+
+    def _step(self) -> None:
+        """One turn of the loop: a wait, what it returned, the recovery checks."""
+        es = self._es
+        if es is None:
+            if not self._stop.wait(REOPEN_RETRY_S):
                 with self._lock:
                     self._open_set()
-                continue
-            try:
-                event = es.wait(WAIT_MS)
-            except NvmlError as exc:
-                self._on_wait_error(exc)
-                continue
-            if event is not None:
-                self._on_event(event)
-            self._tick()
+            return
+        try:
+            event = es.wait(WAIT_MS)
+        except NvmlError as exc:
+            self._error_streak += 1
+            if self._error_streak > 1:  # it failed again at once: do not spin on NVML
+                delay = min(REOPEN_RETRY_S * 2 ** (self._error_streak - 2),
+                            WAIT_ERROR_BACKOFF_MAX_S)
+                if self._stop.wait(delay):
+                    return
+            self._on_wait_error(exc)
+            return
+        self._error_streak = 0
+        if event is not None:
+            self._on_event(event)
+        self._tick()
 
     def _targets(self, event: Any) -> list | None:
         """The GPU UUIDs an event concerns (every GPU when it names none); None for a GPU the
@@ -494,7 +521,8 @@ class HealthMonitor:
                 "quietPeriodS": self.quiet_s,
                 "eventSet": "open" if self._es is not None else (self._es_error or "closed"),
                 "counters": {**self.counters, "waitErrors": self.wait_errors,
-                             "reestablished": self.reestablished},
+                             "reestablished": self.reestablished,
+                             "loopErrors": self.loop_errors},
                 "unsupported": {self.gpus[u].index: why for u, why in self._unsupported.items()
                                 if u in self.gpus},
                 "isolation": {"file": self.isolation_file, "error": self._isolation_error,
@@ -516,7 +544,9 @@ def format_status(doc: dict) -> list[str]:
              f"{doc.get('policy')}); recovery quiet period {doc.get('quietPeriodS'):g} s",
              f"  events: {c.get('delivered', 0)} delivered, {c.get('ignored', 0)} ignored XIDs, "
              f"{c.get('sbe', 0)} single-bit ECC; wait errors {c.get('waitErrors', 0)}, event "
-             f"set {doc.get('eventSet')}"]
+             f"set {doc.get('eventSet')}"
+             + (f"; {c['loopErrors']} unexpected loop errors (see the log)"
+                if c.get("loopErrors") else "")]
     iso = doc.get("isolation", {})
     if iso.get("file"):
         named = iso.get("indexes", []) + iso.get("uuids", [])
