@@ -6,6 +6,7 @@ timestamp, reported, never overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -104,6 +105,19 @@ def test_a_write_that_fails_raises_and_forgets_the_record(state, tmp_path):
     later = allocate(j, 2)
     assert read_checkpoint(j.path).records == (kept, later)
     assert j.last_error == ""
+
+
+def test_a_record_that_cannot_be_written_fails_alone_and_the_journal_goes_on(state):
+    # a record msgpack cannot pack (a bug upstream) must fail its own Allocate, not leave
+    # every later Allocate waiting behind a write that never finished
+    j = journal_at(state)
+    kept = allocate(j, 0)
+    bad = dataclasses.replace(kept, id="bad", boot=object())
+    with pytest.raises(StateError, match="cannot write the checkpoint"):
+        j.append([bad])
+    assert j.records() == (kept,)
+    later = allocate(j, 1)  # returns: the journal is not wedged
+    assert read_checkpoint(j.path).records == (kept, later)
 
 
 def _raw(state) -> bytes:

@@ -313,23 +313,30 @@ class Journal:
                     continue
                 # leader: write everything waiting, our batch included
                 self._writing, self._pending = True, None
-                for fn in batch.changes:
-                    fn(self._records)
-                for r in batch.added:
-                    self._records[r.id] = r
-                self.version += 1
-                snapshot = Checkpoint(tuple(sorted(self._records.values(),
-                                                   key=lambda r: (r.time, r.id))),
-                                      written=self.clock(), boot=self.boot,
-                                      keyed_by=self.keyed_by)
-                self._cond.release()
+                error: BaseException | None = None
                 try:
-                    error = self._write(encode_chunks(snapshot, self._pack))
-                    if len(self._packed) > len(snapshot.records) + 64:
-                        live = {r.id for r in snapshot.records}
-                        self._packed = {k: v for k, v in self._packed.items() if k in live}
-                finally:
-                    self._cond.acquire()
+                    for fn in batch.changes:
+                        fn(self._records)
+                    for r in batch.added:
+                        self._records[r.id] = r
+                    self.version += 1
+                    snapshot = Checkpoint(tuple(sorted(self._records.values(),
+                                                       key=lambda r: (r.time, r.id))),
+                                          written=self.clock(), boot=self.boot,
+                                          keyed_by=self.keyed_by)
+                    self._cond.release()
+                    try:
+                        error = self._write(encode_chunks(snapshot, self._pack))
+                        if len(self._packed) > len(snapshot.records) + 64:
+                            live = {r.id for r in snapshot.records}
+                            self._packed = {k: v for k, v in self._packed.items() if k in live}
+                    finally:
+                        self._cond.acquire()
+                except Exception as exc:
+                    # not an OSError (a bug, a record msgpack cannot pack): fail this batch
+                    # like a failed write, never leave the followers behind it waiting
+                    log.exception("checkpoint write failed")
+                    error = exc
                 self._writing = False
                 batch.done, batch.error = True, error
                 if error is not None:
