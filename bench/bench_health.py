@@ -35,7 +35,7 @@ RESOURCE = "nvidia.com/gpu"
 LATENCY_SAMPLES = 200
 IDLE_S = 60.0
 STORM = 100_000
-ALLOCATE_CALLS = 500
+ALLOCATE_CALLS = 2000
 IDLE_SETTLE_S = 5.0
 # tmpfs for the checkpoints of the Allocate comparison (falls back to /tmp without it)
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
