@@ -123,27 +123,38 @@ class _RecordingChannel:
         raise AttributeError(kind)
 
 
+# Each service: its stub, its full name, and every method as (name, kind, request, response),
+# the message types in the service's package. Kubelet's services list all their methods.
+_KUBELET_SERVICES = [
+    (dp_grpc.RegistrationStub, "v1beta1.Registration", [
+        ("Register", "unary_unary", "RegisterRequest", "Empty"),
+    ]),
+    (dp_grpc.DevicePluginStub, "v1beta1.DevicePlugin", [
+        ("GetDevicePluginOptions", "unary_unary", "Empty", "DevicePluginOptions"),
+        ("ListAndWatch", "unary_stream", "Empty", "ListAndWatchResponse"),
+        ("GetPreferredAllocation", "unary_unary", "PreferredAllocationRequest",
+         "PreferredAllocationResponse"),
+        ("Allocate", "unary_unary", "AllocateRequest", "AllocateResponse"),
+        ("PreStartContainer", "unary_unary", "PreStartContainerRequest",
+         "PreStartContainerResponse"),
+    ]),
+    (pr_grpc.PodResourcesListerStub, "v1.PodResourcesLister", [
+        ("List", "unary_unary", "ListPodResourcesRequest", "ListPodResourcesResponse"),
+        ("GetAllocatableResources", "unary_unary", "AllocatableResourcesRequest",
+         "AllocatableResourcesResponse"),
+        ("Get", "unary_unary", "GetPodResourcesRequest", "GetPodResourcesResponse"),
+    ]),
+]
+_SERVICES = _KUBELET_SERVICES + [
+    (ctl_grpc.SimKubeletControlStub, "simkubelet.v1.SimKubeletControl", [
+        ("Watch", "unary_stream", "WatchRequest", "Event"),
+    ]),
+]
 _METHODS = [
-    (dp_grpc.RegistrationStub, "/v1beta1.Registration/Register", "unary_unary",
-     "v1beta1.RegisterRequest", "v1beta1.Empty"),
-    (dp_grpc.DevicePluginStub, "/v1beta1.DevicePlugin/GetDevicePluginOptions", "unary_unary",
-     "v1beta1.Empty", "v1beta1.DevicePluginOptions"),
-    (dp_grpc.DevicePluginStub, "/v1beta1.DevicePlugin/ListAndWatch", "unary_stream",
-     "v1beta1.Empty", "v1beta1.ListAndWatchResponse"),
-    (dp_grpc.DevicePluginStub, "/v1beta1.DevicePlugin/GetPreferredAllocation", "unary_unary",
-     "v1beta1.PreferredAllocationRequest", "v1beta1.PreferredAllocationResponse"),
-    (dp_grpc.DevicePluginStub, "/v1beta1.DevicePlugin/Allocate", "unary_unary",
-     "v1beta1.AllocateRequest", "v1beta1.AllocateResponse"),
-    (dp_grpc.DevicePluginStub, "/v1beta1.DevicePlugin/PreStartContainer", "unary_unary",
-     "v1beta1.PreStartContainerRequest", "v1beta1.PreStartContainerResponse"),
-    (pr_grpc.PodResourcesListerStub, "/v1.PodResourcesLister/List", "unary_unary",
-     "v1.ListPodResourcesRequest", "v1.ListPodResourcesResponse"),
-    (pr_grpc.PodResourcesListerStub, "/v1.PodResourcesLister/GetAllocatableResources",
-     "unary_unary", "v1.AllocatableResourcesRequest", "v1.AllocatableResourcesResponse"),
-    (pr_grpc.PodResourcesListerStub, "/v1.PodResourcesLister/Get", "unary_unary",
-     "v1.GetPodResourcesRequest", "v1.GetPodResourcesResponse"),
-    (ctl_grpc.SimKubeletControlStub, "/simkubelet.v1.SimKubeletControl/Watch", "unary_stream",
-     "simkubelet.v1.WatchRequest", "simkubelet.v1.Event"),
+    (stub, f"/{service}/{name}", kind, f"{service.rpartition('.')[0]}.{request}",
+     f"{service.rpartition('.')[0]}.{response}")
+    for stub, service, methods in _SERVICES
+    for name, kind, request, response in methods
 ]
 
 
@@ -163,18 +174,11 @@ def test_method_path_kind_and_types(stub, path, kind, request_type, response_typ
     assert not method.client_streaming
 
 
-def test_services_have_exactly_kubelets_methods():
+@pytest.mark.parametrize("service, methods", [(s, m) for _, s, m in _KUBELET_SERVICES],
+                         ids=[s for _, s, _ in _KUBELET_SERVICES])
+def test_services_have_exactly_kubelets_methods(service, methods):
     pool = descriptor_pool.Default()
-    methods = {
-        name: sorted(pool.FindServiceByName(name).methods_by_name)
-        for name in ("v1beta1.Registration", "v1beta1.DevicePlugin", "v1.PodResourcesLister")
-    }
-    assert methods == {
-        "v1beta1.Registration": ["Register"],
-        "v1beta1.DevicePlugin": ["Allocate", "GetDevicePluginOptions", "GetPreferredAllocation",
-                                 "ListAndWatch", "PreStartContainer"],
-        "v1.PodResourcesLister": ["Get", "GetAllocatableResources", "List"],
-    }
+    assert sorted(pool.FindServiceByName(service).methods_by_name) == sorted(m[0] for m in methods)
 
 
 _T = descriptor_pb2.FieldDescriptorProto

@@ -412,33 +412,37 @@ def edit(old: str, new: str, count: int = 1) -> str:
     return BASE.replace(old, new, count)
 
 
+def with_name(line: str) -> str:
+    """BASE with its top-level `name:` line replaced by `line`."""
+    return edit('name: "pcie-8gpu"', line)
+
+
 AGREEMENT = [
     pytest.param(BASE, None, id="shipped"),
-    pytest.param(edit('name: "pcie-8gpu"', "name: 'pcie ''8'' gpu'  # comment"), None,
+    pytest.param(with_name("name: 'pcie ''8'' gpu'  # comment"), None,
                  id="single-quotes-and-comment"),
     pytest.param(BASE.replace("\n  - [", "\n- ["), None, id="indentless-sequence"),
     pytest.param(edit("    minor: 0\n", "    minor: 0x0\n"), None, id="hex-int"),
     pytest.param(edit("    minor: 1\n", "    minor: 1_0\n"), None, id="underscore-int"),
-    pytest.param(edit('name: "pcie-8gpu"', "name: pcie-8gpu"), None, id="plain-string"),
+    pytest.param(with_name("name: pcie-8gpu"), None, id="plain-string"),
     pytest.param(edit("    minor: 1\n", "    minor: 0o1\n"),
                  "gpus[1].minor: expected an integer, found a string", id="0o-is-a-string"),
     pytest.param(edit("    minor: 1\n", "    minor: 1.0\n"),
                  "gpus[1].minor: expected an integer, found a boolean", id="float"),
-    pytest.param(edit('name: "pcie-8gpu"', "name: yes"),
-                 "name: expected a string, found a boolean", id="bool-is-not-a-string"),
-    pytest.param(edit('name: "pcie-8gpu"', "name: 2024-01-02"),
+    pytest.param(with_name("name: yes"), "name: expected a string, found a boolean",
+                 id="bool-is-not-a-string"),
+    pytest.param(with_name("name: 2024-01-02"),
                  "name: expected a string, found a boolean, float or date", id="date"),
-    pytest.param(edit('name: "pcie-8gpu"', "name:"), "name: expected a string, found null",
-                 id="null"),
+    pytest.param(with_name("name:"), "name: expected a string, found null", id="null"),
     pytest.param(edit("gpus:\n  - index: 0", "gpus:\n- index: 0"), "", id="bad-indentation"),
     pytest.param(edit("    memory:\n", "    memory: {total: 1}\n    memoryx:\n"),
                  "flow mappings", id="flow-mapping"),
     pytest.param(edit('description: "', 'description: |\n  "'), "block scalars",
                  id="block-scalar"),
-    pytest.param(edit('name: "pcie-8gpu"', "name: &a x"), "anchors", id="anchor"),
-    pytest.param(edit('name: "pcie-8gpu"', 'name: "pcie-8gpu"\nname: "x"'),
-                 "duplicate key 'name'", id="duplicate-key"),
-    pytest.param(edit('name: "pcie-8gpu"', 'name: "unterminated'), "", id="unterminated-quote"),
+    pytest.param(with_name("name: &a x"), "anchors", id="anchor"),
+    pytest.param(with_name('name: "pcie-8gpu"\nname: "x"'), "duplicate key 'name'",
+                 id="duplicate-key"),
+    pytest.param(with_name('name: "unterminated'), "", id="unterminated-quote"),
     pytest.param(edit("    minor: 0\n", "    minor: 0\n    color: blue\n"),
                  "gpus[0].color: unknown key", id="unknown-key"),
     pytest.param(edit("    compute_capability: [8, 9]\n", "    compute_capability: [8]\n"),

@@ -97,6 +97,16 @@ static int resolve_gpu(const char *spec, int *gpu, int *mig)
     return -1;
 }
 
+/* Wake the threads blocked in a wait on `s`. */
+static void wake(struct sim_eventset *s)
+{
+    if (s->efd >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write(s->efd, &one, sizeof one);
+        (void)w;
+    }
+}
+
 static void push(struct sim_eventset *s, const qevent *e)
 {
     if (s->len == s->cap) {
@@ -120,11 +130,8 @@ static void push(struct sim_eventset *s, const qevent *e)
     }
     s->q[(s->head + s->len) % s->cap] = *e;
     s->len++;
-    if (s->waiters > 0 && s->efd >= 0) {
-        uint64_t one = 1;
-        ssize_t w = write(s->efd, &one, sizeof one);
-        (void)w;
-    }
+    if (s->waiters > 0)
+        wake(s);
 }
 
 /* Queue `e` on every live set that registered its GPU for `need` (all sets for gpu -1). */
@@ -332,22 +339,22 @@ static void release_set(struct sim_eventset *s)
     s->efd = -1;
 }
 
+/* Free `s` now, or, while threads wait on it, mark it and wake them: the last one out frees it. */
+static void retire_set(struct sim_eventset *s)
+{
+    if (s->waiters > 0) {
+        s->freeing = 1;
+        wake(s);
+    } else {
+        release_set(s);
+    }
+}
+
 void sim_control_stop(void)
 {
     for (int k = 0; k < SIM_MAX_SETS; k++) {
-        struct sim_eventset *s = &g_sets[k];
-        if (!s->in_use)
-            continue;
-        if (s->waiters > 0) {
-            s->freeing = 1;
-            if (s->efd >= 0) {
-                uint64_t one = 1;
-                ssize_t w = write(s->efd, &one, sizeof one);
-                (void)w;
-            }
-        } else {
-            release_set(s);
-        }
+        if (g_sets[k].in_use)
+            retire_set(&g_sets[k]);
     }
     if (g_log_fd >= 0) {
         close(g_log_fd);
@@ -366,6 +373,19 @@ static struct sim_eventset *lookup_set(nvmlEventSet_t set)
     if (!set->in_use || set->freeing || set->magic != SIM_MAGIC_SET)
         return NULL;
     return set;
+}
+
+/* sim_enter, then `set` must be a live event set: on success the lock is held and *s is it. */
+static nvmlReturn_t enter_set(nvmlEventSet_t set, int out_ok, struct sim_eventset **s)
+{
+    nvmlReturn_t rc = sim_enter(out_ok);
+    if (rc)
+        return rc;
+    *s = lookup_set(set);
+    if (*s)
+        return NVML_SUCCESS;
+    sim_leave();
+    return NVML_ERROR_INVALID_ARGUMENT;
 }
 
 SIM_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
@@ -395,22 +415,11 @@ SIM_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 
 SIM_EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 {
-    nvmlReturn_t rc = sim_enter(1);
+    struct sim_eventset *s;
+    nvmlReturn_t rc = enter_set(set, 1, &s);
     if (rc)
         return rc;
-    struct sim_eventset *s = lookup_set(set);
-    if (!s) {
-        sim_leave();
-        return NVML_ERROR_INVALID_ARGUMENT;
-    }
-    if (s->waiters > 0) {
-        s->freeing = 1;
-        uint64_t one = 1;
-        ssize_t w = write(s->efd, &one, sizeof one);
-        (void)w;
-    } else {
-        release_set(s);
-    }
+    retire_set(s);
     sim_leave();
     return NVML_SUCCESS;
 }
@@ -435,22 +444,6 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device,
     return rc;
 }
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
-                                                         unsigned long long *eventTypes)
-{
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, eventTypes != NULL, &g, &m);
-    if (rc)
-        return rc;
-    if (m)
-        rc = NVML_ERROR_NOT_SUPPORTED;
-    else
-        *eventTypes = g->supported_events;
-    sim_leave();
-    return rc;
-}
-
 static long long now_ms(void)
 {
     struct timespec ts;
@@ -469,14 +462,10 @@ static void drain(int fd)
 static nvmlReturn_t wait_common(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms,
                                 int full)
 {
-    nvmlReturn_t rc = sim_enter(data != NULL);
+    struct sim_eventset *s;
+    nvmlReturn_t rc = enter_set(set, data != NULL, &s);
     if (rc)
         return rc;
-    struct sim_eventset *s = lookup_set(set);
-    if (!s) {
-        sim_leave();
-        return NVML_ERROR_INVALID_ARGUMENT;
-    }
     s->waiters++;
     g_waiters++;
     long long deadline = now_ms() + timeoutms;

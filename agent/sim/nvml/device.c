@@ -1,6 +1,6 @@
 /*
  * device.c: the per-device NVML queries: handles, identity, PCI, memory, affinity, topology,
- * NVLink, MIG and ECC counters.
+ * NVLink, MIG, ECC counters and supported event types.
  *
  * Owns: answering each query from the loaded node (g_node) with NVML's return codes:
  * UNINITIALIZED before init, INVALID_ARGUMENT for bad handles, indices and NULL outputs,
@@ -15,29 +15,90 @@
 
 #define MIB (1024ULL * 1024ULL)
 
-/* Enter for a query that only a full GPU answers (MIG handles get NOT_SUPPORTED). */
-static nvmlReturn_t enter_gpu(nvmlDevice_t device, int out_ok, sim_gpu **g)
+/* Which handles a query answers. */
+typedef enum {
+    ANY_DEVICE, /* a full GPU or a MIG device */
+    FULL_GPU,   /* a full GPU only: a MIG handle gets NOT_SUPPORTED */
+    MIG_DEVICE, /* a MIG device only: a full GPU gets INVALID_ARGUMENT */
+} handle_scope;
+
+/* sim_enter_device, then the scope check; on failure the lock is released. */
+static nvmlReturn_t enter_scope(nvmlDevice_t device, handle_scope want, int out_ok, sim_gpu **g,
+                                sim_mig **m)
 {
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, out_ok, g, &m);
+    nvmlReturn_t rc = sim_enter_device(device, out_ok, g, m);
     if (rc)
         return rc;
-    if (m) {
+    if (want == FULL_GPU && *m)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    else if (want == MIG_DEVICE && !*m)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc)
         sim_leave();
-        return NVML_ERROR_NOT_SUPPORTED;
-    }
-    return NVML_SUCCESS;
+    return rc;
 }
 
+/* Return the error of `call`, an enter function (which releases the lock when it fails). */
+#define TRY_ENTER(call) \
+    do { \
+        nvmlReturn_t enter_rc = (call); \
+        if (enter_rc) \
+            return enter_rc; \
+    } while (0)
+
+/* Open a device query: declare g (the GPU) and m (its MIG device; NULL for a full GPU), enter
+ * for `device` within `want`, INVALID_ARGUMENT unless out_ok. Past it the lock is held. */
+#define ENTER(want, device, out_ok) \
+    sim_gpu *g; \
+    sim_mig *m; \
+    TRY_ENTER(enter_scope((device), (want), (out_ok), &g, &m))
+
+/* Release the lock and return rc. */
 #define DONE(rc) do { sim_leave(); return (rc); } while (0)
+
+/*
+ * The queries that copy one value of the node into their one output:
+ *   X(function, output type, scope, supported, value)
+ * supported: NOT_SUPPORTED unless true; value: what the output gets (from g and m, as ENTER
+ * declares them).
+ */
+#define VALUE_QUERIES(X) \
+    X(nvmlDeviceGetIndex, unsigned int, FULL_GPU, 1, (unsigned int)g->h.gpu) \
+    X(nvmlDeviceGetMinorNumber, unsigned int, FULL_GPU, 1, g->minor) \
+    X(nvmlDeviceGetNumaNodeId, unsigned int, FULL_GPU, g->has_numa, (unsigned int)g->numa_node) \
+    X(nvmlDeviceGetSupportedEventTypes, unsigned long long, FULL_GPU, 1, g->supported_events) \
+    X(nvmlDeviceGetMaxMigDeviceCount, unsigned int, FULL_GPU, g->mig_capable, g->mig_max) \
+    X(nvmlDeviceIsMigDeviceHandle, unsigned int, ANY_DEVICE, 1, m != NULL) \
+    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle, nvmlDevice_t, MIG_DEVICE, 1, &g->h) \
+    X(nvmlDeviceGetGpuInstanceId, unsigned int, MIG_DEVICE, 1, m->gi) \
+    X(nvmlDeviceGetComputeInstanceId, unsigned int, MIG_DEVICE, 1, m->ci)
+
+#define DEFINE_VALUE_QUERY(function, type, want, supported, value) \
+    SIM_EXPORT nvmlReturn_t function(nvmlDevice_t device, type *out) \
+    { \
+        ENTER(want, device, out != NULL); \
+        if (!(supported)) \
+            DONE(NVML_ERROR_NOT_SUPPORTED); \
+        *out = (value); \
+        DONE(NVML_SUCCESS); \
+    }
+
+VALUE_QUERIES(DEFINE_VALUE_QUERY)
 
 /* ---- handles ---- */
 
+/* Hand out handle `h` of GPU `g`, found by a lookup; a lost GPU's handles are not. */
+static nvmlReturn_t hand_out(const sim_gpu *g, nvmlDevice_t h, nvmlDevice_t *device)
+{
+    if (g->lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    *device = h;
+    return NVML_SUCCESS;
+}
+
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
 {
-    nvmlReturn_t rc = sim_enter(deviceCount != NULL);
-    if (rc)
-        return rc;
+    TRY_ENTER(sim_enter(deviceCount != NULL));
     *deviceCount = (unsigned int)g_node.ngpus;
     DONE(NVML_SUCCESS);
 }
@@ -49,15 +110,10 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
-    nvmlReturn_t rc = sim_enter(device != NULL);
-    if (rc)
-        return rc;
+    TRY_ENTER(sim_enter(device != NULL));
     if (index >= (unsigned int)g_node.ngpus)
         DONE(NVML_ERROR_INVALID_ARGUMENT);
-    if (g_node.gpus[index].lost)
-        DONE(NVML_ERROR_GPU_IS_LOST);
-    *device = &g_node.gpus[index].h;
-    DONE(NVML_SUCCESS);
+    DONE(hand_out(&g_node.gpus[index], &g_node.gpus[index].h, device));
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
@@ -67,23 +123,14 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevic
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
-    nvmlReturn_t rc = sim_enter(uuid != NULL && device != NULL);
-    if (rc)
-        return rc;
+    TRY_ENTER(sim_enter(uuid != NULL && device != NULL));
     for (int i = 0; i < g_node.ngpus; i++) {
         sim_gpu *g = &g_node.gpus[i];
-        nvmlDevice_t found = NULL;
         if (strcmp(g->uuid, uuid) == 0)
-            found = &g->h;
-        for (int m = 0; m < g->nmig && !found; m++)
+            DONE(hand_out(g, &g->h, device));
+        for (int m = 0; m < g->nmig; m++)
             if (strcmp(g->migs[m].uuid, uuid) == 0)
-                found = &g->migs[m].h;
-        if (found) {
-            if (g->lost)
-                DONE(NVML_ERROR_GPU_IS_LOST);
-            *device = found;
-            DONE(NVML_SUCCESS);
-        }
+                DONE(hand_out(g, &g->migs[m].h, device));
     }
     DONE(NVML_ERROR_NOT_FOUND);
 }
@@ -91,21 +138,15 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId,
                                                          nvmlDevice_t *device)
 {
-    nvmlReturn_t rc = sim_enter(pciBusId != NULL && device != NULL);
-    if (rc)
-        return rc;
+    TRY_ENTER(sim_enter(pciBusId != NULL && device != NULL));
     sim_pci want;
     if (sim_parse_bus_id(pciBusId, &want) < 0)
         DONE(NVML_ERROR_INVALID_ARGUMENT);
     for (int i = 0; i < g_node.ngpus; i++) {
         sim_gpu *g = &g_node.gpus[i];
         if (g->pci.domain == want.domain && g->pci.bus == want.bus
-            && g->pci.device == want.device && g->pci.function == want.function) {
-            if (g->lost)
-                DONE(NVML_ERROR_GPU_IS_LOST);
-            *device = &g->h;
-            DONE(NVML_SUCCESS);
-        }
+            && g->pci.device == want.device && g->pci.function == want.function)
+            DONE(hand_out(g, &g->h, device));
     }
     DONE(NVML_ERROR_NOT_FOUND);
 }
@@ -117,23 +158,9 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvml
 
 /* ---- identity ---- */
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
-{
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, index != NULL, &g);
-    if (rc)
-        return rc;
-    *index = (unsigned int)g->h.gpu;
-    DONE(NVML_SUCCESS);
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, name != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, name != NULL);
     if (!m)
         DONE(sim_copy_string(name, length, g->name));
     char buf[SIM_LEN_NAME + SIM_LEN_MIG_NAME + 8];
@@ -143,44 +170,23 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsig
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, uuid != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, uuid != NULL);
     DONE(sim_copy_string(uuid, length, m ? m->uuid : g->uuid));
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial,
                                             unsigned int length)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, serial != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, serial != NULL);
     if (!g->has_serial)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     DONE(sim_copy_string(serial, length, g->serial));
 }
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
-{
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, minorNumber != NULL, &g);
-    if (rc)
-        return rc;
-    *minorNumber = g->minor;
-    DONE(NVML_SUCCESS);
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
                                                            int *minor)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, major != NULL && minor != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, major != NULL && minor != NULL);
     *major = g->cc_major;
     *minor = g->cc_minor;
     DONE(NVML_SUCCESS);
@@ -188,45 +194,34 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, 
 
 /* ---- PCI ---- */
 
-static void fill_pci(const sim_pci *pci, nvmlPciInfo_t *out)
+/* Copy one field of SIM_PCI_ID_FIELDS or SIM_GI_PROFILE_FIELDS from `src` into `out`. */
+#define COPY_FIELD(type, field, member) out->field = src->member;
+
+static void fill_pci(const sim_pci *src, nvmlPciInfo_t *out)
 {
     memset(out, 0, sizeof *out);
-    sim_format_bus_id(pci, out->busIdLegacy, sizeof out->busIdLegacy, 1);
-    sim_format_bus_id(pci, out->busId, sizeof out->busId, 0);
-    out->domain = pci->domain;
-    out->bus = pci->bus;
-    out->device = pci->device;
-    out->pciDeviceId = pci->device_id;
-    out->pciSubSystemId = pci->subsystem_id;
+    SIM_PCI_ID_FIELDS(COPY_FIELD)
+    sim_format_bus_id(src, out->busIdLegacy, sizeof out->busIdLegacy, 1);
+    sim_format_bus_id(src, out->busId, sizeof out->busId, 0);
 }
 
-static void fill_pci_legacy(const sim_pci *pci, nvmlPciInfoLegacy_t *out)
+static void fill_pci_legacy(const sim_pci *src, nvmlPciInfoLegacy_t *out)
 {
     memset(out, 0, sizeof *out);
-    sim_format_bus_id(pci, out->busId, sizeof out->busId, 1);
-    out->domain = pci->domain;
-    out->bus = pci->bus;
-    out->device = pci->device;
-    out->pciDeviceId = pci->device_id;
-    out->pciSubSystemId = pci->subsystem_id;
+    SIM_PCI_ID_FIELDS(COPY_FIELD)
+    sim_format_bus_id(src, out->busId, sizeof out->busId, 1);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, pci != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, pci != NULL);
     fill_pci(&g->pci, pci);
     DONE(NVML_SUCCESS);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, pci != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, pci != NULL);
     fill_pci_legacy(&g->pci, pci);
     DONE(NVML_SUCCESS);
 }
@@ -238,20 +233,15 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoLeg
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_v1_t *pci)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, pci != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, pci != NULL);
     if (pci->version != (unsigned int)(sizeof *pci | (1u << 24)))
         DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-    pci->domain = g->pci.domain;
-    pci->bus = g->pci.bus;
-    pci->device = g->pci.device;
-    pci->pciDeviceId = g->pci.device_id;
-    pci->pciSubSystemId = g->pci.subsystem_id;
-    pci->baseClass = 0x3; /* display controller */
-    pci->subClass = 0x2;  /* 3D controller */
-    sim_format_bus_id(&g->pci, pci->busId, sizeof pci->busId, 0);
+    nvmlPciInfoExt_v1_t *out = pci;
+    const sim_pci *src = &g->pci;
+    SIM_PCI_ID_FIELDS(COPY_FIELD)
+    out->baseClass = 0x3; /* display controller */
+    out->subClass = 0x2;  /* 3D controller */
+    sim_format_bus_id(src, out->busId, sizeof out->busId, 0);
     DONE(NVML_SUCCESS);
 }
 
@@ -273,11 +263,7 @@ static void memory_of(const sim_gpu *g, const sim_mig *m, unsigned long long *to
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, memory != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, memory != NULL);
     unsigned long long total, reserved, used;
     memory_of(g, m, &total, &reserved, &used);
     memory->total = total;
@@ -288,11 +274,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, memory != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, memory != NULL);
     if (memory->version != SIM_MEMORY_V2_VERSION)
         DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     memory_of(g, m, &memory->total, &memory->reserved, &memory->used);
@@ -302,25 +284,10 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemo
 
 /* ---- NUMA and affinity ---- */
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node)
-{
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, node != NULL, &g);
-    if (rc)
-        return rc;
-    if (!g->has_numa)
-        DONE(NVML_ERROR_NOT_SUPPORTED);
-    *node = (unsigned int)g->numa_node;
-    DONE(NVML_SUCCESS);
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize,
                                                  unsigned long *cpuSet)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, cpuSet != NULL && cpuSetSize > 0, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, cpuSet != NULL && cpuSetSize > 0);
     for (unsigned int k = 0; k < cpuSetSize; k++)
         cpuSet[k] = k < SIM_CPU_WORDS ? (unsigned long)g->cpu_mask[k] : 0;
     DONE(NVML_SUCCESS);
@@ -339,10 +306,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCpuAffinityWithinScope(nvmlDevice_t device,
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t device, unsigned int nodeSetSize,
                                                     unsigned long *nodeSet, unsigned int scope)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, nodeSet != NULL && nodeSetSize > 0 && scope <= 1, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, nodeSet != NULL && nodeSetSize > 0 && scope <= 1);
     if (!g->has_numa)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     for (unsigned int k = 0; k < nodeSetSize; k++)
@@ -359,83 +323,67 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1
                                                             nvmlDevice_t device2,
                                                             unsigned int *pathInfo)
 {
-    sim_gpu *a, *b;
+    ENTER(FULL_GPU, device1, pathInfo != NULL);
+    sim_gpu *b;
     sim_mig *mb;
-    nvmlReturn_t rc = enter_gpu(device1, pathInfo != NULL, &a);
-    if (rc)
-        return rc;
-    rc = sim_lookup_device(device2, &b, &mb);
+    nvmlReturn_t rc = sim_lookup_device(device2, &b, &mb);
     if (rc)
         DONE(rc);
     if (mb)
         DONE(NVML_ERROR_NOT_SUPPORTED);
-    *pathInfo = (unsigned int)a->topo[b->h.gpu];
+    *pathInfo = (unsigned int)g->topo[b->h.gpu];
     DONE(NVML_SUCCESS);
 }
 
-/* Enter for a per-link query; on success the lock is held and `link` is a listed link. */
-static nvmlReturn_t enter_link(nvmlDevice_t device, unsigned int link, int out_ok, sim_gpu **g)
-{
-    nvmlReturn_t rc = enter_gpu(device, out_ok, g);
-    if (rc)
-        return rc;
-    if ((*g)->nlinks == 0)
-        rc = NVML_ERROR_NOT_SUPPORTED;
-    else if (link >= SIM_MAX_LINKS)
-        rc = NVML_ERROR_INVALID_ARGUMENT;
-    else if (link >= (unsigned int)(*g)->nlinks)
-        rc = NVML_ERROR_NOT_SUPPORTED;
-    if (rc)
-        sim_leave();
-    return rc;
-}
+/* Open a per-link query: ENTER for a full GPU, then `link` must be one the GPU lists. */
+#define ENTER_LINK(device, link, out_ok) \
+    ENTER(FULL_GPU, device, out_ok); \
+    if (g->nlinks == 0) \
+        DONE(NVML_ERROR_NOT_SUPPORTED); \
+    if ((link) >= SIM_MAX_LINKS) \
+        DONE(NVML_ERROR_INVALID_ARGUMENT); \
+    if ((link) >= (unsigned int)g->nlinks) \
+        DONE(NVML_ERROR_NOT_SUPPORTED)
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link,
                                                  unsigned int *isActive)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_link(device, link, isActive != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER_LINK(device, link, isActive != NULL);
     *isActive = g->link_kind[link] != SIM_LINK_NONE;
     DONE(NVML_SUCCESS);
 }
 
-static const sim_pci *remote_pci(const sim_gpu *g, unsigned int link)
+/* Enter for a query about the far end of `link`: on success the lock is held and *remote is
+ * the PCI identity of the GPU or switch there (NOT_SUPPORTED for a link that is down). */
+static nvmlReturn_t enter_remote(nvmlDevice_t device, unsigned int link, int out_ok,
+                                 const sim_pci **remote)
 {
+    ENTER_LINK(device, link, out_ok);
     if (g->link_kind[link] == SIM_LINK_GPU)
-        return &g_node.gpus[g->link_target[link]].pci;
-    if (g->link_kind[link] == SIM_LINK_SWITCH)
-        return &g_node.switches[g->link_target[link]];
-    return NULL;
+        *remote = &g_node.gpus[g->link_target[link]].pci;
+    else if (g->link_kind[link] == SIM_LINK_SWITCH)
+        *remote = &g_node.switches[g->link_target[link]];
+    else
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    return NVML_SUCCESS;
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device,
                                                             unsigned int link,
                                                             nvmlPciInfo_t *pci)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_link(device, link, pci != NULL, &g);
-    if (rc)
-        return rc;
-    const sim_pci *r = remote_pci(g, link);
-    if (!r)
-        DONE(NVML_ERROR_NOT_SUPPORTED);
-    fill_pci(r, pci);
+    const sim_pci *remote;
+    TRY_ENTER(enter_remote(device, link, pci != NULL, &remote));
+    fill_pci(remote, pci);
     DONE(NVML_SUCCESS);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link,
                                                          nvmlPciInfoLegacy_t *pci)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_link(device, link, pci != NULL, &g);
-    if (rc)
-        return rc;
-    const sim_pci *r = remote_pci(g, link);
-    if (!r)
-        DONE(NVML_ERROR_NOT_SUPPORTED);
-    fill_pci_legacy(r, pci);
+    const sim_pci *remote;
+    TRY_ENTER(enter_remote(device, link, pci != NULL, &remote));
+    fill_pci_legacy(remote, pci);
     DONE(NVML_SUCCESS);
 }
 
@@ -443,10 +391,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device,
                                                             unsigned int link,
                                                             unsigned int *type)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_link(device, link, type != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER_LINK(device, link, type != NULL);
     if (g->link_kind[link] == SIM_LINK_NONE)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     *type = g->link_kind[link] == SIM_LINK_GPU ? SIM_NVLINK_DEVICE_GPU : SIM_NVLINK_DEVICE_SWITCH;
@@ -458,10 +403,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device,
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                              unsigned int *pendingMode)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, currentMode != NULL && pendingMode != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, currentMode != NULL && pendingMode != NULL);
     if (!g->mig_capable)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     *currentMode = (unsigned int)g->mig_mode;
@@ -469,26 +411,11 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *
     DONE(NVML_SUCCESS);
 }
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
-{
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, count != NULL, &g);
-    if (rc)
-        return rc;
-    if (!g->mig_capable)
-        DONE(NVML_ERROR_NOT_SUPPORTED);
-    *count = g->mig_max;
-    DONE(NVML_SUCCESS);
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device,
                                                             unsigned int index,
                                                             nvmlDevice_t *migDevice)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, migDevice != NULL, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, migDevice != NULL);
     if (!g->mig_capable)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     if (index >= g->mig_max)
@@ -499,65 +426,10 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device,
     DONE(NVML_SUCCESS);
 }
 
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
-                                                                     nvmlDevice_t *device)
-{
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(migDevice, device != NULL, &g, &m);
-    if (rc)
-        return rc;
-    if (!m)
-        DONE(NVML_ERROR_INVALID_ARGUMENT);
-    *device = &g->h;
-    DONE(NVML_SUCCESS);
-}
-
-SIM_EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMig)
-{
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, isMig != NULL, &g, &m);
-    if (rc)
-        return rc;
-    *isMig = m != NULL;
-    DONE(NVML_SUCCESS);
-}
-
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
-{
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, id != NULL, &g, &m);
-    if (rc)
-        return rc;
-    if (!m)
-        DONE(NVML_ERROR_INVALID_ARGUMENT);
-    *id = m->gi;
-    DONE(NVML_SUCCESS);
-}
-
-SIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
-{
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, id != NULL, &g, &m);
-    if (rc)
-        return rc;
-    if (!m)
-        DONE(NVML_ERROR_INVALID_ARGUMENT);
-    *id = m->ci;
-    DONE(NVML_SUCCESS);
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device,
                                                    nvmlDeviceAttributes_t *attributes)
 {
-    sim_gpu *g;
-    sim_mig *m;
-    nvmlReturn_t rc = sim_enter_device(device, attributes != NULL, &g, &m);
-    if (rc)
-        return rc;
+    ENTER(ANY_DEVICE, device, attributes != NULL);
     memset(attributes, 0, sizeof *attributes);
     if (m) {
         const sim_mig_profile *p = &g->profiles[m->profile];
@@ -585,75 +457,48 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device,
     return nvmlDeviceGetAttributes_v2(device, attributes);
 }
 
-static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, int out_ok,
-                               const sim_mig_profile **out)
+/* Both GPU instance profile info queries: into *v1 (nvmlDeviceGetGpuInstanceProfileInfo) or *v2
+ * (the versioned ...InfoV), whichever is not NULL. */
+static nvmlReturn_t gi_profile_info(nvmlDevice_t device, unsigned int profile,
+                                    nvmlGpuInstanceProfileInfo_t *v1,
+                                    nvmlGpuInstanceProfileInfo_v2_t *v2)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, out_ok, &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, v1 != NULL || v2 != NULL);
     if (!g->mig_capable)
-        rc = NVML_ERROR_NOT_SUPPORTED;
-    else if (profile >= SIM_NUM_GI_PROFILES)
-        rc = NVML_ERROR_INVALID_ARGUMENT;
-    else {
-        rc = NVML_ERROR_NOT_SUPPORTED;
-        for (int k = 0; k < g->nprofiles; k++)
-            if (g->profiles[k].nvml_profile == (int)profile) {
-                *out = &g->profiles[k];
-                rc = NVML_SUCCESS;
-            }
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    if (profile >= SIM_NUM_GI_PROFILES)
+        DONE(NVML_ERROR_INVALID_ARGUMENT);
+    const sim_mig_profile *src = NULL;
+    for (int k = 0; k < g->nprofiles; k++)
+        if (g->profiles[k].nvml_profile == (int)profile)
+            src = &g->profiles[k];
+    if (!src)
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    if (v2 && v2->version != SIM_GI_PROFILE_INFO_V2_VERSION)
+        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (v1) {
+        nvmlGpuInstanceProfileInfo_t *out = v1;
+        SIM_GI_PROFILE_FIELDS(COPY_FIELD)
+    } else {
+        nvmlGpuInstanceProfileInfo_v2_t *out = v2;
+        SIM_GI_PROFILE_FIELDS(COPY_FIELD)
+        snprintf(out->name, sizeof out->name, "MIG %s", src->name);
     }
-    if (rc)
-        sim_leave();
-    return rc;
+    DONE(NVML_SUCCESS);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device,
                                                             unsigned int profile,
                                                             nvmlGpuInstanceProfileInfo_t *info)
 {
-    const sim_mig_profile *p;
-    nvmlReturn_t rc = gi_profile(device, profile, info != NULL, &p);
-    if (rc)
-        return rc;
-    info->id = p->id;
-    info->isP2pSupported = p->p2p;
-    info->sliceCount = p->slices;
-    info->instanceCount = p->instance_count;
-    info->multiprocessorCount = p->multiprocessors;
-    info->copyEngineCount = p->copy_engines;
-    info->decoderCount = p->decoders;
-    info->encoderCount = p->encoders;
-    info->jpegCount = p->jpegs;
-    info->ofaCount = p->ofas;
-    info->memorySizeMB = p->memory_mb;
-    DONE(NVML_SUCCESS);
+    return gi_profile_info(device, profile, info, NULL);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device,
                                                              unsigned int profile,
                                                              nvmlGpuInstanceProfileInfo_v2_t *info)
 {
-    const sim_mig_profile *p;
-    nvmlReturn_t rc = gi_profile(device, profile, info != NULL, &p);
-    if (rc)
-        return rc;
-    if (info->version != SIM_GI_PROFILE_INFO_V2_VERSION)
-        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-    info->id = p->id;
-    info->isP2pSupported = p->p2p;
-    info->sliceCount = p->slices;
-    info->instanceCount = p->instance_count;
-    info->multiprocessorCount = p->multiprocessors;
-    info->copyEngineCount = p->copy_engines;
-    info->decoderCount = p->decoders;
-    info->encoderCount = p->encoders;
-    info->jpegCount = p->jpegs;
-    info->ofaCount = p->ofas;
-    info->memorySizeMB = p->memory_mb;
-    snprintf(info->name, sizeof info->name, "MIG %s", p->name);
-    DONE(NVML_SUCCESS);
+    return gi_profile_info(device, profile, NULL, info);
 }
 
 /* ---- ECC ---- */
@@ -662,11 +507,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigne
                                                     unsigned int counterType,
                                                     unsigned long long *eccCounts)
 {
-    sim_gpu *g;
-    nvmlReturn_t rc = enter_gpu(device, eccCounts != NULL && errorType <= 1 && counterType <= 1,
-                                &g);
-    if (rc)
-        return rc;
+    ENTER(FULL_GPU, device, eccCounts != NULL && errorType <= 1 && counterType <= 1);
     /* Volatile and aggregate counts are the same: the simulator never reboots. */
     *eccCounts = errorType == 1 ? g->ecc_dbe : g->ecc_sbe;
     DONE(NVML_SUCCESS);

@@ -29,15 +29,10 @@ typedef struct {
 
 static void vfail(vctx *v, const char *path, const char *fmt, ...)
 {
-    if (v->failed)
-        return;
-    v->failed = 1;
-    char msg[400];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    sim_vfail(v->err, v->errlen, &v->failed, fmt, ap, "%s: %s", v->file, path);
     va_end(ap);
-    snprintf(v->err, v->errlen, "%s: %s: %s", v->file, path, msg);
 }
 
 /* snprintf for key paths; truncating a long path in a message is fine. */
@@ -77,6 +72,26 @@ static int check_keys(vctx *v, const ynode *map, const char *path, const char *c
     return 0;
 }
 
+/* `n` (at `path`) must be of type `type`, and a mapping's keys all in `allowed` (NULL: any). */
+static int check_node(vctx *v, const ynode *n, const char *path, ytype type,
+                      const char *const *allowed)
+{
+    if (n->type != type) {
+        vfail(v, path, "expected %s, found %s", yaml_type_name(type), yaml_type_name(n->type));
+        return -1;
+    }
+    return allowed ? check_keys(v, n, path, allowed) : 0;
+}
+
+/* Item `i` of `seq`, the sequence at `path`, as a mapping whose keys are all in `allowed`; its
+ * own path goes to item_path. NULL when it is not one. */
+static const ynode *map_item(vctx *v, const ynode *seq, const char *path, int i,
+                             const char *const *allowed, char *item_path, size_t len)
+{
+    pathf(item_path, len, "%s[%d]", path, i);
+    return check_node(v, seq->items[i], item_path, Y_MAP, allowed) < 0 ? NULL : seq->items[i];
+}
+
 static const ynode *need(vctx *v, const ynode *map, const char *path, const char *key,
                          ytype type, int required)
 {
@@ -88,8 +103,18 @@ static const ynode *need(vctx *v, const ynode *map, const char *path, const char
             vfail(v, p, "missing (required)");
         return NULL;
     }
-    if (n->type != type) {
-        vfail(v, p, "expected %s, found %s", yaml_type_name(type), yaml_type_name(n->type));
+    return check_node(v, n, p, type, NULL) < 0 ? NULL : n;
+}
+
+/* need() for a sequence of at most `max` entries (`what` names them in the message). */
+static const ynode *need_seq(vctx *v, const ynode *map, const char *path, const char *key,
+                             int required, int max, const char *what)
+{
+    const ynode *n = need(v, map, path, key, Y_SEQ, required);
+    if (n && n->n > max) {
+        char p[256];
+        join(p, sizeof p, path, key);
+        vfail(v, p, "more than %d %s", max, what);
         return NULL;
     }
     return n;
@@ -145,6 +170,17 @@ static int get_int(vctx *v, const ynode *map, const char *path, const char *key,
 }
 
 #define U32MAX 4294967295LL
+
+/* get_int for a required field from 0 to `hi` that goes into an unsigned int. */
+static int get_uint(vctx *v, const ynode *map, const char *path, const char *key, long long hi,
+                    unsigned int *out)
+{
+    long long x;
+    if (get_int(v, map, path, key, 0, hi, &x, 1) < 0)
+        return -1;
+    *out = (unsigned int)x;
+    return 0;
+}
 #define I64MAX 9223372036854775807LL
 
 int sim_parse_bus_id(const char *text, sim_pci *pci)
@@ -180,41 +216,53 @@ void sim_format_bus_id(const sim_pci *pci, char *out, size_t len, int legacy)
                  pci->function);
 }
 
-int sim_parse_cpulist(const char *text, uint64_t *mask, char *err, size_t errlen)
+/* Set in `mask` (an array of 64-bit words) the bit of each number in `text`: numbers joined by
+ * `sep`, and A-B ranges where `ranges`; an empty text sets none. Returns 0; -1 when the text is
+ * not such a list; -2 for a range that is empty or reaches `limit`, then range[] says which. */
+static int parse_number_list(const char *text, char sep, int ranges, unsigned long limit,
+                             uint64_t *mask, unsigned long range[2])
 {
-    memset(mask, 0, SIM_CPU_WORDS * sizeof *mask);
     const char *s = text;
     if (!*s)
         return 0;
     for (;;) {
         char *end;
         if (*s < '0' || *s > '9')
-            goto bad;
+            return -1;
         unsigned long a = strtoul(s, &end, 10), b = a;
         s = end;
-        if (*s == '-') {
+        if (ranges && *s == '-') {
             s++;
             if (*s < '0' || *s > '9')
-                goto bad;
+                return -1;
             b = strtoul(s, &end, 10);
             s = end;
         }
-        if (a > b || b >= SIM_MAX_CPUS) {
-            snprintf(err, errlen, "CPU range %lu-%lu is empty or beyond CPU %d", a, b,
-                     SIM_MAX_CPUS - 1);
-            return -1;
-        }
+        range[0] = a;
+        range[1] = b;
+        if (a > b || b >= limit)
+            return -2;
         for (unsigned long c = a; c <= b; c++)
             mask[c / 64] |= 1ULL << (c % 64);
         if (*s == '\0')
             return 0;
-        if (*s != ',')
-            goto bad;
+        if (*s != sep)
+            return -1;
         s++;
     }
-bad:
-    snprintf(err, errlen, "not a CPU list like '0-11,24-35'");
-    return -1;
+}
+
+int sim_parse_cpulist(const char *text, uint64_t *mask, char *err, size_t errlen)
+{
+    unsigned long range[2];
+    memset(mask, 0, SIM_CPU_WORDS * sizeof *mask);
+    int rc = parse_number_list(text, ',', 1, SIM_MAX_CPUS, mask, range);
+    if (rc == -2)
+        snprintf(err, errlen, "CPU range %lu-%lu is empty or beyond CPU %d", range[0], range[1],
+                 SIM_MAX_CPUS - 1);
+    else if (rc < 0)
+        snprintf(err, errlen, "not a CPU list like '0-11,24-35'");
+    return rc < 0 ? -1 : 0;
 }
 
 static int parse_pci(vctx *v, const ynode *map, const char *path, sim_pci *pci, int subsys)
@@ -223,7 +271,6 @@ static int parse_pci(vctx *v, const ynode *map, const char *path, sim_pci *pci, 
     if (check_keys(v, map, path, keys) < 0)
         return -1;
     char bus[64];
-    long long x;
     if (get_str(v, map, path, "bus_id", bus, sizeof bus, 1) <= 0)
         return -1;
     if (sim_parse_bus_id(bus, pci) < 0) {
@@ -232,14 +279,10 @@ static int parse_pci(vctx *v, const ynode *map, const char *path, sim_pci *pci, 
         vfail(v, p, "not a PCI bus id like '00000000:1B:00.0'");
         return -1;
     }
-    if (get_int(v, map, path, "device_id", 0, U32MAX, &x, 1) < 0)
+    if (get_uint(v, map, path, "device_id", U32MAX, &pci->device_id) < 0)
         return -1;
-    pci->device_id = (unsigned int)x;
-    if (subsys) {
-        if (get_int(v, map, path, "subsystem_id", 0, U32MAX, &x, 1) < 0)
-            return -1;
-        pci->subsystem_id = (unsigned int)x;
-    }
+    if (subsys && get_uint(v, map, path, "subsystem_id", U32MAX, &pci->subsystem_id) < 0)
+        return -1;
     return 0;
 }
 
@@ -287,27 +330,17 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
         else
             g->mig_mode = on;
     }
-    if (get_int(v, mig, path, "max_devices", 0, SIM_MAX_MIG, &x, 1) < 0)
+    if (get_uint(v, mig, path, "max_devices", SIM_MAX_MIG, &g->mig_max) < 0)
         return -1;
-    g->mig_max = (unsigned int)x;
 
-    const ynode *profs = need(v, mig, path, "profiles", Y_SEQ, 1);
+    const ynode *profs = need_seq(v, mig, path, "profiles", 1, SIM_MAX_MIG_PROFILES, "profiles");
     if (!profs)
         return -1;
-    if (profs->n > SIM_MAX_MIG_PROFILES) {
-        join(p, sizeof p, path, "profiles");
-        vfail(v, p, "more than %d profiles", SIM_MAX_MIG_PROFILES);
-        return -1;
-    }
+    join(p, sizeof p, path, "profiles");
     for (int i = 0; i < profs->n; i++) {
-        const ynode *pn = profs->items[i];
         char pp[256];
-        pathf(q, sizeof q, "%s.profiles[%d]", path, i);
-        if (pn->type != Y_MAP) {
-            vfail(v, q, "expected a mapping, found %s", yaml_type_name(pn->type));
-            return -1;
-        }
-        if (check_keys(v, pn, q, pkeys) < 0)
+        const ynode *pn = map_item(v, profs, p, i, pkeys, q, sizeof q);
+        if (!pn)
             return -1;
         sim_mig_profile *mp = &g->profiles[i];
         if (get_int(v, pn, q, "nvml_profile", 0, SIM_NUM_GI_PROFILES - 1, &x, 1) < 0)
@@ -329,9 +362,8 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
         };
         for (size_t k = 0; k < sizeof u / sizeof *u; k++) {
             long long hi = strcmp(u[k].k, "p2p") == 0 ? 1 : U32MAX;
-            if (get_int(v, pn, q, u[k].k, 0, hi, &x, 1) < 0)
+            if (get_uint(v, pn, q, u[k].k, hi, u[k].dst) < 0)
                 return -1;
-            *u[k].dst = (unsigned int)x;
         }
         if (get_int(v, pn, q, "memory_mb", 0, I64MAX, &x, 1) < 0)
             return -1;
@@ -343,10 +375,8 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
     if (!inst)
         return 0;
     join(p, sizeof p, path, "instances");
-    if (inst->type != Y_SEQ) {
-        vfail(v, p, "expected a sequence, found %s", yaml_type_name(inst->type));
+    if (check_node(v, inst, p, Y_SEQ, NULL) < 0)
         return -1;
-    }
     if (inst->n && !g->mig_mode) {
         vfail(v, p, "MIG instances need mode: enabled");
         return -1;
@@ -356,21 +386,13 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
         return -1;
     }
     for (int i = 0; i < inst->n; i++) {
-        const ynode *in = inst->items[i];
-        pathf(q, sizeof q, "%s.instances[%d]", path, i);
-        if (in->type != Y_MAP) {
-            vfail(v, q, "expected a mapping, found %s", yaml_type_name(in->type));
-            return -1;
-        }
-        if (check_keys(v, in, q, ikeys) < 0)
+        const ynode *in = map_item(v, inst, p, i, ikeys, q, sizeof q);
+        if (!in)
             return -1;
         sim_mig *m = &g->migs[i];
-        if (get_int(v, in, q, "gi", 0, U32MAX - 1, &x, 1) < 0)
+        if (get_uint(v, in, q, "gi", U32MAX - 1, &m->gi) < 0
+            || get_uint(v, in, q, "ci", U32MAX - 1, &m->ci) < 0)
             return -1;
-        m->gi = (unsigned int)x;
-        if (get_int(v, in, q, "ci", 0, U32MAX - 1, &x, 1) < 0)
-            return -1;
-        m->ci = (unsigned int)x;
         for (int j = 0; j < i; j++)
             if (g->migs[j].gi == m->gi && g->migs[j].ci == m->ci) {
                 vfail(v, q, "duplicate gi %u / ci %u", m->gi, m->ci);
@@ -410,11 +432,7 @@ static int parse_gpu(vctx *v, const ynode *gn, int index, sim_gpu *g, int ngpus,
     char path[64], p[256], text[SIM_LEN_CPULIST], msg[200];
     long long x;
     snprintf(path, sizeof path, "gpus[%d]", index);
-    if (gn->type != Y_MAP) {
-        vfail(v, path, "expected a mapping, found %s", yaml_type_name(gn->type));
-        return -1;
-    }
-    if (check_keys(v, gn, path, keys) < 0)
+    if (check_node(v, gn, path, Y_MAP, keys) < 0)
         return -1;
     if (get_int(v, gn, path, "index", 0, SIM_MAX_GPUS - 1, &x, 1) < 0)
         return -1;
@@ -437,9 +455,8 @@ static int parse_gpu(vctx *v, const ynode *gn, int index, sim_gpu *g, int ngpus,
     if (r < 0)
         return -1;
     g->has_serial = r;
-    if (get_int(v, gn, path, "minor", 0, U32MAX, &x, 1) < 0)
+    if (get_uint(v, gn, path, "minor", U32MAX, &g->minor) < 0)
         return -1;
-    g->minor = (unsigned int)x;
 
     join(p, sizeof p, path, "pci");
     const ynode *pci = need(v, gn, path, "pci", Y_MAP, 1);
@@ -499,17 +516,11 @@ static int parse_gpu(vctx *v, const ynode *gn, int index, sim_gpu *g, int ngpus,
     g->has_mp = r;
     g->multiprocessors = r ? (unsigned int)x : 0;
 
-    const ynode *links = yaml_get(gn, "nvlinks");
+    const ynode *links = need_seq(v, gn, path, "nvlinks", 0, SIM_MAX_LINKS, "links");
+    if (v->failed)
+        return -1;
     join(p, sizeof p, path, "nvlinks");
     if (links) {
-        if (links->type != Y_SEQ) {
-            vfail(v, p, "expected a sequence, found %s", yaml_type_name(links->type));
-            return -1;
-        }
-        if (links->n > SIM_MAX_LINKS) {
-            vfail(v, p, "more than %d links", SIM_MAX_LINKS);
-            return -1;
-        }
         for (int k = 0; k < links->n; k++) {
             const ynode *ln = links->items[k];
             char lp[300];
@@ -551,10 +562,8 @@ static int parse_gpu(vctx *v, const ynode *gn, int index, sim_gpu *g, int ngpus,
     const ynode *mig = yaml_get(gn, "mig");
     if (mig) {
         join(p, sizeof p, path, "mig");
-        if (mig->type != Y_MAP) {
-            vfail(v, p, "expected a mapping, found %s", yaml_type_name(mig->type));
+        if (check_node(v, mig, p, Y_MAP, NULL) < 0)
             return -1;
-        }
         g->mig_capable = 1;
         if (parse_mig(v, mig, p, g) < 0)
             return -1;
@@ -565,18 +574,8 @@ static int parse_gpu(vctx *v, const ynode *gn, int index, sim_gpu *g, int ngpus,
 /* NVML return code from a name (DRIVER_NOT_LOADED, NVML_ERROR_DRIVER_NOT_LOADED) or number. */
 static int code_from_name(const char *s)
 {
-    static const struct { const char *name; int code; } codes[] = {
-        {"UNINITIALIZED", 1}, {"INVALID_ARGUMENT", 2}, {"NOT_SUPPORTED", 3},
-        {"NO_PERMISSION", 4}, {"ALREADY_INITIALIZED", 5}, {"NOT_FOUND", 6},
-        {"INSUFFICIENT_SIZE", 7}, {"INSUFFICIENT_POWER", 8}, {"DRIVER_NOT_LOADED", 9},
-        {"TIMEOUT", 10}, {"IRQ_ISSUE", 11}, {"LIBRARY_NOT_FOUND", 12},
-        {"FUNCTION_NOT_FOUND", 13}, {"CORRUPTED_INFOROM", 14}, {"GPU_IS_LOST", 15},
-        {"RESET_REQUIRED", 16}, {"OPERATING_SYSTEM", 17}, {"LIB_RM_VERSION_MISMATCH", 18},
-        {"IN_USE", 19}, {"MEMORY", 20}, {"NO_DATA", 21}, {"VGPU_ECC_NOT_SUPPORTED", 22},
-        {"INSUFFICIENT_RESOURCES", 23}, {"FREQ_NOT_SUPPORTED", 24},
-        {"ARGUMENT_VERSION_MISMATCH", 25}, {"DEPRECATED", 26}, {"NOT_READY", 27},
-        {"GPU_NOT_FOUND", 28}, {"INVALID_STATE", 29}, {"UNKNOWN", 999},
-    };
+#define ERROR_NAME(name, value, text) {#name, value},
+    static const struct { const char *name; int code; } codes[] = {SIM_NVML_ERRORS(ERROR_NAME)};
     if (strncmp(s, "NVML_ERROR_", 11) == 0)
         s += 11;
     for (size_t i = 0; i < sizeof codes / sizeof *codes; i++)
@@ -585,37 +584,18 @@ static int code_from_name(const char *s)
     return -1;
 }
 
+/* GPU indices below `ngpus` joined by '+' (GPU_AGENT_SIM_FAULTS lists). */
 static int parse_index_list_text(const char *text, int ngpus, uint64_t *mask)
 {
+    unsigned long range[2];
     *mask = 0;
-    const char *s = text;
-    if (!*s)
-        return 0;
-    for (;;) {
-        char *end;
-        if (*s < '0' || *s > '9')
-            return -1;
-        long x = strtol(s, &end, 10);
-        if (x >= ngpus)
-            return -1;
-        *mask |= 1ULL << x;
-        s = end;
-        if (!*s)
-            return 0;
-        if (*s != '+')
-            return -1;
-        s++;
-    }
+    return parse_number_list(text, '+', 0, (unsigned long)ngpus, mask, range) < 0 ? -1 : 0;
 }
 
 static int parse_faults_yaml(vctx *v, const ynode *f, sim_node *node)
 {
     static const char *const keys[] = {"init", "events_unsupported", "lost", NULL};
-    if (f->type != Y_MAP) {
-        vfail(v, "faults", "expected a mapping, found %s", yaml_type_name(f->type));
-        return -1;
-    }
-    if (check_keys(v, f, "faults", keys) < 0)
+    if (check_node(v, f, "faults", Y_MAP, keys) < 0)
         return -1;
     const ynode *init = yaml_get(f, "init");
     if (init) {
@@ -734,27 +714,15 @@ static int parse_node(vctx *v, const ynode *root, sim_node *node)
         return -1;
     node->cuda_version = (int)x;
 
-    const ynode *sw = yaml_get(root, "nvswitches");
+    const ynode *sw = need_seq(v, root, "", "nvswitches", 0, SIM_MAX_SWITCHES, "switches");
+    if (v->failed)
+        return -1;
     if (sw) {
-        if (sw->type != Y_SEQ) {
-            vfail(v, "nvswitches", "expected a sequence, found %s", yaml_type_name(sw->type));
-            return -1;
-        }
-        if (sw->n > SIM_MAX_SWITCHES) {
-            vfail(v, "nvswitches", "more than %d switches", SIM_MAX_SWITCHES);
-            return -1;
-        }
+        static const char *const skeys[] = {"bus_id", "device_id", NULL};
         for (int i = 0; i < sw->n; i++) {
             char p[64];
-            pathf(p, sizeof p, "nvswitches[%d]", i);
-            if (sw->items[i]->type != Y_MAP) {
-                vfail(v, p, "expected a mapping, found %s", yaml_type_name(sw->items[i]->type));
-                return -1;
-            }
-            static const char *const skeys[] = {"bus_id", "device_id", NULL};
-            if (check_keys(v, sw->items[i], p, skeys) < 0)
-                return -1;
-            if (parse_pci(v, sw->items[i], p, &node->switches[i], 0) < 0)
+            const ynode *item = map_item(v, sw, "nvswitches", i, skeys, p, sizeof p);
+            if (!item || parse_pci(v, item, p, &node->switches[i], 0) < 0)
                 return -1;
         }
         node->nswitches = sw->n;

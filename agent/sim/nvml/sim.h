@@ -12,12 +12,13 @@
  *   profile.c  profile path resolution, YAML -> sim_node, start-up faults
  *   control.c  the control channel (record log + inotify), event sets, waits
  *   system.c   init/shutdown refcount, error strings, system queries
- *   device.c   device, PCI, topology, NVLink, MIG and ECC queries
+ *   device.c   device, PCI, topology, NVLink, MIG, ECC and event-type queries
  */
 #ifndef GPU_AGENT_SIM_H
 #define GPU_AGENT_SIM_H
 
 #include <pthread.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -27,38 +28,44 @@
 
 typedef int nvmlReturn_t;
 
+/* The NVML error codes: X(name after NVML_ERROR_, value, what nvmlErrorString says). The
+ * enum, nvmlErrorString (system.c) and the fault names (profile.c) are all made from it. */
+#define SIM_NVML_ERRORS(X) \
+    X(UNINITIALIZED, 1, "Uninitialized") \
+    X(INVALID_ARGUMENT, 2, "Invalid Argument") \
+    X(NOT_SUPPORTED, 3, "Not Supported") \
+    X(NO_PERMISSION, 4, "Insufficient Permissions") \
+    X(ALREADY_INITIALIZED, 5, "Already Initialized") \
+    X(NOT_FOUND, 6, "Not Found") \
+    X(INSUFFICIENT_SIZE, 7, "Insufficient Size") \
+    X(INSUFFICIENT_POWER, 8, "Insufficient External Power") \
+    X(DRIVER_NOT_LOADED, 9, "Driver Not Loaded") \
+    X(TIMEOUT, 10, "Timeout") \
+    X(IRQ_ISSUE, 11, "Interrupt Request Issue") \
+    X(LIBRARY_NOT_FOUND, 12, "NVML Shared Library Not Found") \
+    X(FUNCTION_NOT_FOUND, 13, "Function Not Found") \
+    X(CORRUPTED_INFOROM, 14, "Corrupted infoROM") \
+    X(GPU_IS_LOST, 15, "GPU is lost") \
+    X(RESET_REQUIRED, 16, "GPU requires restart") \
+    X(OPERATING_SYSTEM, 17, "The operating system has blocked the request") \
+    X(LIB_RM_VERSION_MISMATCH, 18, "RM has detected an NVML/RM version mismatch") \
+    X(IN_USE, 19, "In use by another client") \
+    X(MEMORY, 20, "Insufficient Memory") \
+    X(NO_DATA, 21, "No data") \
+    X(VGPU_ECC_NOT_SUPPORTED, 22, "vGPU ECC not supported") \
+    X(INSUFFICIENT_RESOURCES, 23, "Insufficient resources") \
+    X(FREQ_NOT_SUPPORTED, 24, "Frequency not supported") \
+    X(ARGUMENT_VERSION_MISMATCH, 25, "Argument version mismatch") \
+    X(DEPRECATED, 26, "Deprecated") \
+    X(NOT_READY, 27, "Not ready") \
+    X(GPU_NOT_FOUND, 28, "GPU not found") \
+    X(INVALID_STATE, 29, "Invalid state") \
+    X(UNKNOWN, 999, "Unknown Error")
+
+#define SIM_DECLARE_ERROR(name, value, text) NVML_ERROR_##name = value,
 enum {
     NVML_SUCCESS = 0,
-    NVML_ERROR_UNINITIALIZED = 1,
-    NVML_ERROR_INVALID_ARGUMENT = 2,
-    NVML_ERROR_NOT_SUPPORTED = 3,
-    NVML_ERROR_NO_PERMISSION = 4,
-    NVML_ERROR_ALREADY_INITIALIZED = 5,
-    NVML_ERROR_NOT_FOUND = 6,
-    NVML_ERROR_INSUFFICIENT_SIZE = 7,
-    NVML_ERROR_INSUFFICIENT_POWER = 8,
-    NVML_ERROR_DRIVER_NOT_LOADED = 9,
-    NVML_ERROR_TIMEOUT = 10,
-    NVML_ERROR_IRQ_ISSUE = 11,
-    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
-    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
-    NVML_ERROR_CORRUPTED_INFOROM = 14,
-    NVML_ERROR_GPU_IS_LOST = 15,
-    NVML_ERROR_RESET_REQUIRED = 16,
-    NVML_ERROR_OPERATING_SYSTEM = 17,
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
-    NVML_ERROR_IN_USE = 19,
-    NVML_ERROR_MEMORY = 20,
-    NVML_ERROR_NO_DATA = 21,
-    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
-    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
-    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
-    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
-    NVML_ERROR_DEPRECATED = 26,
-    NVML_ERROR_NOT_READY = 27,
-    NVML_ERROR_GPU_NOT_FOUND = 28,
-    NVML_ERROR_INVALID_STATE = 29,
-    NVML_ERROR_UNKNOWN = 999,
+    SIM_NVML_ERRORS(SIM_DECLARE_ERROR)
 };
 
 /* Event type bits (nvmlEventType*). */
@@ -84,35 +91,52 @@ enum {
 typedef struct sim_handle *nvmlDevice_t;
 typedef struct sim_eventset *nvmlEventSet_t;
 
+/*
+ * Field lists that several ABI structs share, each written once as an X-macro:
+ * X(type, NVML field, member of the node model it is answered from). SIM_DECLARE_FIELD
+ * declares them (in ABI order); device.c copies them from the node model with the same list.
+ */
+#define SIM_DECLARE_FIELD(type, field, member) type field;
+
+/* The PCI identity every nvmlPciInfo* layout has (answered from sim_pci). */
+#define SIM_PCI_ID_FIELDS(X) \
+    X(unsigned int, domain, domain) \
+    X(unsigned int, bus, bus) \
+    X(unsigned int, device, device) \
+    X(unsigned int, pciDeviceId, device_id) \
+    X(unsigned int, pciSubSystemId, subsystem_id)
+
+/* What both GPU instance profile info layouts have (answered from sim_mig_profile). */
+#define SIM_GI_PROFILE_FIELDS(X) \
+    X(unsigned int, id, id) \
+    X(unsigned int, isP2pSupported, p2p) \
+    X(unsigned int, sliceCount, slices) \
+    X(unsigned int, instanceCount, instance_count) \
+    X(unsigned int, multiprocessorCount, multiprocessors) \
+    X(unsigned int, copyEngineCount, copy_engines) \
+    X(unsigned int, decoderCount, decoders) \
+    X(unsigned int, encoderCount, encoders) \
+    X(unsigned int, jpegCount, jpegs) \
+    X(unsigned int, ofaCount, ofas) \
+    X(unsigned long long, memorySizeMB, memory_mb)
+
 /* nvmlPciInfo_t (the _v3 layout): legacy 16-byte bus id, ids, then the 32-byte bus id. */
 typedef struct {
     char busIdLegacy[16];
-    unsigned int domain;
-    unsigned int bus;
-    unsigned int device;
-    unsigned int pciDeviceId;
-    unsigned int pciSubSystemId;
+    SIM_PCI_ID_FIELDS(SIM_DECLARE_FIELD)
     char busId[32];
 } nvmlPciInfo_t;
 
 /* Layout answered by the old nvmlDeviceGetPciInfo / _v2 names. */
 typedef struct {
     char busId[16];
-    unsigned int domain;
-    unsigned int bus;
-    unsigned int device;
-    unsigned int pciDeviceId;
-    unsigned int pciSubSystemId;
+    SIM_PCI_ID_FIELDS(SIM_DECLARE_FIELD)
     unsigned int reserved[4];
 } nvmlPciInfoLegacy_t;
 
 typedef struct {
     unsigned int version;
-    unsigned int domain;
-    unsigned int bus;
-    unsigned int device;
-    unsigned int pciDeviceId;
-    unsigned int pciSubSystemId;
+    SIM_PCI_ID_FIELDS(SIM_DECLARE_FIELD)
     unsigned int baseClass;
     unsigned int subClass;
     char busId[32];
@@ -155,32 +179,12 @@ typedef struct {
 } nvmlDeviceAttributes_t;
 
 typedef struct {
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
-    unsigned long long memorySizeMB;
+    SIM_GI_PROFILE_FIELDS(SIM_DECLARE_FIELD)
 } nvmlGpuInstanceProfileInfo_t;
 
 typedef struct {
     unsigned int version;
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
-    unsigned long long memorySizeMB;
+    SIM_GI_PROFILE_FIELDS(SIM_DECLARE_FIELD)
     char name[96];
 } nvmlGpuInstanceProfileInfo_v2_t;
 
@@ -308,6 +312,13 @@ ynode *yaml_get(const ynode *map, const char *key);
 const char *yaml_type_name(ytype t);
 /* Integer value of an int scalar (decimal, 0x hex, 0o/0 octal, 0b binary, '_' allowed). */
 int yaml_int(const ynode *n, long long *out);
+/* Record the first failure of a parse (the YAML reader's and the profile schema's): sets
+ * *failed and writes "<where>: <message>" into err, `where` from where_fmt and its arguments,
+ * the message from fmt and ap. Once *failed is set later failures are dropped: the first one
+ * is the cause. */
+void sim_vfail(char *err, size_t errlen, int *failed, const char *fmt, va_list ap,
+               const char *where_fmt, ...)
+    __attribute__((format(printf, 4, 0), format(printf, 6, 7)));
 
 /* ---- profiles (profile.c) ---- */
 

@@ -47,17 +47,30 @@ typedef struct {
     int failed;
 } yparser;
 
+void sim_vfail(char *err, size_t errlen, int *failed, const char *fmt, va_list ap,
+               const char *where_fmt, ...)
+{
+    if (*failed)
+        return;
+    *failed = 1;
+    if (errlen == 0)
+        return;
+    va_list where;
+    va_start(where, where_fmt);
+    vsnprintf(err, errlen, where_fmt, where);
+    va_end(where);
+    size_t n = strlen(err);
+    snprintf(err + n, errlen - n, ": ");
+    n = strlen(err);
+    vsnprintf(err + n, errlen - n, fmt, ap);
+}
+
 static void yfail(yparser *p, int line, const char *fmt, ...)
 {
-    if (p->failed)
-        return;
-    p->failed = 1;
-    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    sim_vfail(p->err, p->errlen, &p->failed, fmt, ap, "%s:%d", p->path, line);
     va_end(ap);
-    snprintf(p->err, p->errlen, "%s:%d: %s", p->path, line, msg);
 }
 
 static ynode *ynew(ytype t, int line)
@@ -110,8 +123,12 @@ ynode *yaml_get(const ynode *map, const char *key)
     return NULL;
 }
 
+/* Add `child` (NULL: parsing it failed or ran out of memory) to `parent` under `key` (NULL in
+ * a sequence). On failure both are freed and the parse has failed. */
 static int append(yparser *p, ynode *parent, char *key, int key_line, ynode *child)
 {
+    if (!child)
+        goto oom;
     int n = parent->n + 1;
     ynode **items = realloc(parent->items, n * sizeof *items);
     if (!items)
@@ -718,6 +735,40 @@ static int split_key(yparser *p, int line, const char *t, char **key, const char
 
 static ynode *parse_node(yparser *p, int indent);
 
+/* A new block collection of type `t` opening at the current line (NULL: out of memory). */
+static ynode *block_new(yparser *p, ytype t)
+{
+    ynode *n = ynew(t, p->lines[p->i].lineno);
+    if (!n)
+        yfail(p, p->lines[p->i].lineno, "out of memory");
+    return n;
+}
+
+/* The next line of the block at `indent`; NULL where the block ends (a line indented less, the
+ * end of the file) or the parse failed. */
+static yline *block_line(yparser *p, int indent)
+{
+    if (p->failed || p->i >= p->n)
+        return NULL;
+    yline *l = &p->lines[p->i];
+    if (l->indent < indent)
+        return NULL;
+    if (l->indent > indent) {
+        yfail(p, l->lineno, "bad indentation");
+        return NULL;
+    }
+    return l;
+}
+
+/* `n`, or NULL (with `n` freed) when the parse has failed. */
+static ynode *unless_failed(yparser *p, ynode *n)
+{
+    if (!p->failed)
+        return n;
+    yaml_free(n);
+    return NULL;
+}
+
 static void check_no_deeper(yparser *p, int indent)
 {
     if (!p->failed && p->i < p->n && p->lines[p->i].indent > indent)
@@ -727,19 +778,10 @@ static void check_no_deeper(yparser *p, int indent)
 
 static ynode *parse_seq(yparser *p, int indent)
 {
-    ynode *seq = ynew(Y_SEQ, p->lines[p->i].lineno);
-    if (!seq) {
-        yfail(p, p->lines[p->i].lineno, "out of memory");
+    ynode *seq = block_new(p, Y_SEQ);
+    if (!seq)
         return NULL;
-    }
-    while (!p->failed && p->i < p->n) {
-        yline *l = &p->lines[p->i];
-        if (l->indent < indent)
-            break;
-        if (l->indent > indent) {
-            yfail(p, l->lineno, "bad indentation");
-            break;
-        }
+    for (yline *l; (l = block_line(p, indent));) {
         if (!is_seq_item(l->text))
             break;
         const char *rest = skip_blanks(l->text + 1);
@@ -767,34 +809,18 @@ static ynode *parse_seq(yparser *p, int indent)
                 check_no_deeper(p, indent);
             }
         }
-        if (!child || append(p, seq, NULL, l->lineno, child) < 0) {
-            if (!p->failed)
-                yfail(p, l->lineno, "out of memory");
+        if (append(p, seq, NULL, l->lineno, child) < 0)
             break;
-        }
     }
-    if (p->failed) {
-        yaml_free(seq);
-        return NULL;
-    }
-    return seq;
+    return unless_failed(p, seq);
 }
 
 static ynode *parse_map(yparser *p, int indent)
 {
-    ynode *map = ynew(Y_MAP, p->lines[p->i].lineno);
-    if (!map) {
-        yfail(p, p->lines[p->i].lineno, "out of memory");
+    ynode *map = block_new(p, Y_MAP);
+    if (!map)
         return NULL;
-    }
-    while (!p->failed && p->i < p->n) {
-        yline *l = &p->lines[p->i];
-        if (l->indent < indent)
-            break;
-        if (l->indent > indent) {
-            yfail(p, l->lineno, "bad indentation");
-            break;
-        }
+    for (yline *l; (l = block_line(p, indent));) {
         if (is_seq_item(l->text)) {
             yfail(p, l->lineno, "a sequence item where a mapping key was expected");
             break;
@@ -826,19 +852,10 @@ static ynode *parse_map(yparser *p, int indent)
             child = parse_inline(p, key_line, value);
             check_no_deeper(p, indent);
         }
-        if (!child || append(p, map, key, key_line, child) < 0) {
-            if (!child)
-                free(key);
-            if (!p->failed)
-                yfail(p, key_line, "out of memory");
+        if (append(p, map, key, key_line, child) < 0)
             break;
-        }
     }
-    if (p->failed) {
-        yaml_free(map);
-        return NULL;
-    }
-    return map;
+    return unless_failed(p, map);
 }
 
 static ynode *parse_node(yparser *p, int indent)
@@ -857,11 +874,7 @@ static ynode *parse_node(yparser *p, int indent)
     ynode *n = parse_inline(p, l->lineno, l->text);
     p->i++;
     check_no_deeper(p, indent);
-    if (p->failed) {
-        yaml_free(n);
-        return NULL;
-    }
-    return n;
+    return unless_failed(p, n);
 }
 
 /* Remove a comment: '#' at the start or after a blank, outside quoted scalars. */
