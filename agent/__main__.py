@@ -23,7 +23,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     from agent import _fast
     from agent.config import load_config
-    from agent.daemon import format_status, read_status
+    from agent.status import format_status, read_status
 
     state_dir = load_config(args, os.environ).state_dir
     doc = read_status(state_dir)
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    from agent.config import add_run_options
+    from agent.config import add_run_options, add_state_command
 
     p = sub.add_parser(
         "run", allow_abbrev=False,
@@ -81,15 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(p)
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser(
-        "status", allow_abbrev=False,
+    add_state_command(
+        sub, "status", _cmd_status,
         help="show the build and, when an agent runs, its state (from STATE_DIR/status.json)",
         description="Show the build (version, hot-path implementation) and what the agent "
-                    "using this state directory last reported. Takes run's options to find "
-                    "the state directory (--state-dir, GPU_AGENT_STATE_DIR, agent.stateDir).")
-    add_run_options(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_status)
+                    "using this state directory last reported.")
 
     p = sub.add_parser(
         "demo",

@@ -20,12 +20,10 @@ from typing import Any, Callable, Union
 
 import yaml
 
-from agent._config_options import OPTIONS_BY_KEY
-from agent._config_values import (
+from agent._config_kinds import (
     BoolKind,
     ChoiceKind,
     DurationKind,
-    Invalid,
     Kind,
     PathKind,
     StringListKind,
@@ -33,7 +31,8 @@ from agent._config_values import (
     expect_int,
     expect_str,
 )
-from agent.errors import ConfigError
+from agent._config_options import OPTIONS_BY_KEY
+from agent.errors import ConfigError, InvalidValue
 
 VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com"
@@ -268,18 +267,18 @@ def resource_name(value: Any) -> str:
     """The full resource name ("gpu" -> "nvidia.com/gpu"), checked as NVIDIA does."""
     name = expect_str(value, "a resource name")
     if not name:
-        raise Invalid("must not be empty")
+        raise InvalidValue("must not be empty")
     full = name if name.startswith(f"{RESOURCE_PREFIX}/") else f"{RESOURCE_PREFIX}/{name}"
     short = full.split("/", 1)[1]
     if "/" in short:
-        raise Invalid(f"{name!r} is not a valid resource name: only names in "
-                      f"{RESOURCE_PREFIX}/ are supported")
+        raise InvalidValue(f"{name!r} is not a valid resource name: only names in "
+                           f"{RESOURCE_PREFIX}/ are supported")
     if len(full) > MAX_RESOURCE_NAME:
-        raise Invalid(f"{full!r} is longer than {MAX_RESOURCE_NAME} characters")
+        raise InvalidValue(f"{full!r} is longer than {MAX_RESOURCE_NAME} characters")
     if not _DNS_SUBDOMAIN.match(short):
-        raise Invalid(f"{name!r} is not a valid resource name: after {RESOURCE_PREFIX}/ use "
-                      f"lower-case letters, digits, '-' and '.', starting and ending with a "
-                      f"letter or digit")
+        raise InvalidValue(f"{name!r} is not a valid resource name: after {RESOURCE_PREFIX}/ use "
+                           f"lower-case letters, digits, '-' and '.', starting and ending with a "
+                           f"letter or digit")
     return full
 
 
@@ -287,15 +286,15 @@ def device_ref(value: Any) -> str:
     """A GPU index, a MIG index (GPU:MIG), or a GPU / MIG UUID, as a string."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise Invalid(f"{value} is not a GPU index (must be >= 0)")
+            raise InvalidValue(f"{value} is not a GPU index (must be >= 0)")
         return str(value)
     if isinstance(value, str) and (
         _GPU_INDEX.match(value) or _MIG_INDEX.match(value)
         or _GPU_UUID.match(value) or _MIG_UUID.match(value)
     ):
         return value
-    raise Invalid(f"{describe(value)} is not a GPU index, a MIG index (GPU:MIG) or a "
-                  f"GPU-/MIG- UUID")
+    raise InvalidValue(f"{describe(value)} is not a GPU index, a MIG index (GPU:MIG) or a "
+                       f"GPU-/MIG- UUID")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,7 +407,7 @@ class _Reader:
     def parse(self, key: str, parse: Callable[[Any], Any], value: Any) -> Any:
         try:
             return parse(value)
-        except Invalid as exc:
+        except InvalidValue as exc:
             raise self.fail(key + exc.subkey, exc.problem) from None
 
     def mapping(self, value: Any, key: str, known) -> dict:
@@ -561,14 +560,14 @@ class _Reader:
 
 def _nonempty_str(value: Any) -> str:
     if expect_str(value) == "":
-        raise Invalid("must not be empty")
+        raise InvalidValue("must not be empty")
     return value
 
 
 def _replicas(value: Any) -> int:
     n = expect_int(value, "an integer number of replicas")
     if n < 2:
-        raise Invalid(f"{n} replicas: must be at least 2 (1 would not share the device)")
+        raise InvalidValue(f"{n} replicas: must be at least 2 (1 would not share the device)")
     return n
 
 
@@ -577,36 +576,36 @@ def _devices(value: Any) -> Devices:
         return "all"
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            raise Invalid(f"a count of devices must be > 0, got {value}")
+            raise InvalidValue(f"a count of devices must be > 0, got {value}")
         return value
     if isinstance(value, list):
         if not value:
-            raise Invalid("empty list: use 'all', a count, or a list of devices")
+            raise InvalidValue("empty list: use 'all', a count, or a list of devices")
         refs: list[str] = []
         for i, item in enumerate(value):
             try:
                 ref = device_ref(item)
-            except Invalid as exc:
-                raise Invalid(exc.problem, f"[{i}]") from None
+            except InvalidValue as exc:
+                raise InvalidValue(exc.problem, f"[{i}]") from None
             if ref in refs:
-                raise Invalid(f"{ref!r} is listed twice", f"[{i}]")
+                raise InvalidValue(f"{ref!r} is listed twice", f"[{i}]")
             refs.append(ref)
         return tuple(refs)
-    raise Invalid(f"expected 'all', a count, or a list of GPU indexes, MIG indexes (GPU:MIG) or "
-                  f"UUIDs, got {describe(value)}")
+    raise InvalidValue(f"expected 'all', a count, or a list of GPU indexes, MIG indexes "
+                       f"(GPU:MIG) or UUIDs, got {describe(value)}")
 
 
 def _channel_ids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise Invalid(f"expected a list of channel IDs, got {describe(value)}")
+        raise InvalidValue(f"expected a list of channel IDs, got {describe(value)}")
     ids = []
     for i, item in enumerate(value):
         try:
             ids.append(expect_int(item, "an integer channel ID"))
-        except Invalid as exc:
-            raise Invalid(exc.problem, f"[{i}]") from None
+        except InvalidValue as exc:
+            raise InvalidValue(exc.problem, f"[{i}]") from None
     if ids not in ([], [0]):
-        raise Invalid(f"{ids} is not supported: channelIDs must be [] or [0]")
+        raise InvalidValue(f"{ids} is not supported: channelIDs must be [] or [0]")
     return tuple(ids)
 
 

@@ -3,8 +3,9 @@ flag or an environment variable) and from YAML/JSON data (the config file), and 
 
 Owns: parsing and checking single values (booleans with urfave/cli's spellings, choices, lists
 of choices, absolute paths, Go durations) and the wording of their problems. Must not know
-about layers, sources, keys or files, and must not import anything of `agent`: callers turn
-`Invalid` into a ConfigError that names the key and where the value came from.
+about layers, sources, keys or files, and must not import anything of `agent` but `errors`
+and `constants`: callers turn `InvalidValue` into a ConfigError that names the key and where
+the value came from.
 """
 
 from __future__ import annotations
@@ -13,20 +14,12 @@ import decimal
 import re
 from typing import Any
 
+from agent.constants import NVML_SONAME, XID_ACTIONS
+from agent.errors import InvalidValue
+
 # strconv.ParseBool, which urfave/cli (NVIDIA's flag library) uses for flags and env vars.
 TRUE_TEXT = ("1", "t", "T", "true", "TRUE", "True")
 FALSE_TEXT = ("0", "f", "F", "false", "FALSE", "False")
-
-NVML_SONAME = "libnvidia-ml.so.1"
-
-
-class Invalid(ValueError):
-    """One value is wrong. `subkey` (e.g. "[2]") is appended to the caller's key."""
-
-    def __init__(self, problem: str, subkey: str = ""):
-        super().__init__(problem)
-        self.problem = problem
-        self.subkey = subkey
 
 
 def describe(value: Any) -> str:
@@ -50,15 +43,15 @@ def describe(value: Any) -> str:
 
 def expect_str(value: Any, what: str = "a string") -> str:
     if not isinstance(value, str):
-        raise Invalid(f"expected {what}, got {describe(value)}")
+        raise InvalidValue(f"expected {what}, got {describe(value)}")
     if any("\ud800" <= ch <= "\udfff" for ch in value):  # undecodable bytes in the environment
-        raise Invalid(f"{value!r} is not valid UTF-8 text")
+        raise InvalidValue(f"{value!r} is not valid UTF-8 text")
     return value
 
 
 def expect_int(value: Any, what: str = "an integer") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Invalid(f"expected {what}, got {describe(value)}")
+        raise InvalidValue(f"expected {what}, got {describe(value)}")
     return value
 
 
@@ -100,14 +93,14 @@ class BoolKind(Kind):
             return True
         if text in FALSE_TEXT:
             return False
-        raise Invalid(
+        raise InvalidValue(
             f"{text!r} is not a boolean; use true or false "
             f"(also accepted: {', '.join(TRUE_TEXT[:3] + FALSE_TEXT[:3])}, TRUE, FALSE, True, False)"
         )
 
     def from_data(self, value: Any) -> bool:
         if not isinstance(value, bool):
-            raise Invalid(f"expected a boolean (true or false), got {describe(value)}")
+            raise InvalidValue(f"expected a boolean (true or false), got {describe(value)}")
         return value
 
     def to_text(self, value: Any) -> str:
@@ -125,7 +118,7 @@ class ChoiceKind(Kind):
 
     def check(self, value: str) -> str:
         if value not in self.choices:
-            raise Invalid(f"{value!r} is not one of {', '.join(self.choices)}")
+            raise InvalidValue(f"{value!r} is not one of {', '.join(self.choices)}")
         return value
 
 
@@ -139,17 +132,17 @@ class ChoiceListKind(Kind):
 
     def _check_item(self, item: str, subkey: str = "") -> str:
         if item not in self.choices:
-            raise Invalid(f"{item!r} is not one of {', '.join(self.choices)}", subkey)
+            raise InvalidValue(f"{item!r} is not one of {', '.join(self.choices)}", subkey)
         return item
 
     def _check_list(self, items: list[str], subkeys: list[str]) -> tuple[str, ...]:
         if not items:
-            raise Invalid(f"empty list; give at least one of {', '.join(self.choices)}")
+            raise InvalidValue(f"empty list; give at least one of {', '.join(self.choices)}")
         seen: set[str] = set()
         for item, subkey in zip(items, subkeys):
             self._check_item(item, subkey)
             if item in seen:
-                raise Invalid(f"{item!r} is listed twice", subkey)
+                raise InvalidValue(f"{item!r} is listed twice", subkey)
             seen.add(item)
         return tuple(items)
 
@@ -161,24 +154,25 @@ class ChoiceListKind(Kind):
             for item in expect_str(part).split(","):
                 item = item.strip()
                 if not item:
-                    raise Invalid(f"{','.join(parts)!r} has an empty item; "
-                                  f"separate the values with single commas")
+                    raise InvalidValue(f"{','.join(parts)!r} has an empty item; "
+                                       f"separate the values with single commas")
                 items.append(item)
         return self._check_list(items, [""] * len(items))
 
     def from_data(self, value: Any) -> tuple[str, ...]:
         if isinstance(value, str):
             if "," in value:
-                raise Invalid(f"{value!r} is not one of {', '.join(self.choices)}; in the file, "
-                              f"give several as a YAML list, e.g. [{value.replace(',', ', ')}]")
+                raise InvalidValue(f"{value!r} is not one of {', '.join(self.choices)}; in the "
+                                   f"file, give several as a YAML list, e.g. "
+                                   f"[{value.replace(',', ', ')}]")
             return self._check_list([value], [""])
         if not isinstance(value, list):
-            raise Invalid(f"expected a string or a list of strings, got {describe(value)}")
+            raise InvalidValue(f"expected a string or a list of strings, got {describe(value)}")
         items = []
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                raise Invalid(f"expected one of {', '.join(self.choices)}, got {describe(item)}",
-                              f"[{i}]")
+                raise InvalidValue(
+                    f"expected one of {', '.join(self.choices)}, got {describe(item)}", f"[{i}]")
             items.append(item)
         return self._check_list(items, [f"[{i}]" for i in range(len(items))])
 
@@ -201,12 +195,12 @@ class PathKind(Kind):
     def check(self, value: str) -> str:
         if value == "":
             if self.empty is None:
-                raise Invalid("must not be empty")
+                raise InvalidValue("must not be empty")
             return value
         if "\0" in value:
-            raise Invalid(f"{value!r} contains a NUL byte")
+            raise InvalidValue(f"{value!r} contains a NUL byte")
         if not value.startswith("/"):
-            raise Invalid(f"{value!r} is not an absolute path")
+            raise InvalidValue(f"{value!r} is not an absolute path")
         return value
 
 
@@ -220,8 +214,8 @@ class NvmlLibraryKind(PathKind):
         if value == NVML_SONAME:
             return value
         if value and "/" not in value:
-            raise Invalid(f"{value!r} is neither {NVML_SONAME} (looked up under the driver root) "
-                          f"nor an absolute path")
+            raise InvalidValue(f"{value!r} is neither {NVML_SONAME} (looked up under the driver "
+                               f"root) nor an absolute path")
         return super().check(value)
 
 
@@ -232,9 +226,9 @@ class TextKind(Kind):
 
     def check(self, value: str) -> str:
         if value == "":
-            raise Invalid("must not be empty")
+            raise InvalidValue("must not be empty")
         if any(ch.isspace() or ord(ch) < 32 for ch in value):
-            raise Invalid(f"{value!r} contains whitespace or control characters")
+            raise InvalidValue(f"{value!r} contains whitespace or control characters")
         return value
 
 
@@ -246,7 +240,7 @@ class ConfigFileKind(Kind):
 
     def check(self, value: str) -> str:
         if "\0" in value:
-            raise Invalid(f"{value!r} contains a NUL byte")
+            raise InvalidValue(f"{value!r} contains a NUL byte")
         return value
 
 
@@ -256,14 +250,14 @@ class StringListKind(Kind):
     def from_data(self, value: Any) -> tuple[str, ...]:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list):
-            raise Invalid(f"expected a string or a list of strings, got {describe(value)}")
+            raise InvalidValue(f"expected a string or a list of strings, got {describe(value)}")
         out = []
         for i, item in enumerate(items):
             subkey = f"[{i}]" if isinstance(value, list) else ""
             if not isinstance(item, str):
-                raise Invalid(f"expected a string, got {describe(item)}", subkey)
+                raise InvalidValue(f"expected a string, got {describe(item)}", subkey)
             if not item:
-                raise Invalid("must not be empty", subkey)
+                raise InvalidValue("must not be empty", subkey)
             out.append(item)
         return tuple(out)
 
@@ -280,14 +274,15 @@ class DurationKind(Kind):
 
     def from_data(self, value: Any) -> str:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise Invalid(f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
+            raise InvalidValue(
+                f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
         if isinstance(value, int):
             if value < 0:
-                raise Invalid(f"{value} is negative; a duration must be >= 0")
+                raise InvalidValue(f"{value} is negative; a duration must be >= 0")
             return f"{value}ns"
         if value != "0" and not _GO_DURATION.match(value):
             hint = "; it must not be negative" if value.startswith("-") else ""
-            raise Invalid(f"{value!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
+            raise InvalidValue(f"{value!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
         return value
 
 
@@ -308,17 +303,18 @@ class IntervalKind(Kind):
 
     def from_data(self, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, str):
-            raise Invalid(f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
+            raise InvalidValue(
+                f"expected a duration such as \"60s\" or \"1m30s\", got {describe(value)}")
         return self.from_text(value)
 
     def from_text(self, text: Any) -> float:
         text = expect_str(text)
         if text != "0" and not _GO_DURATION.match(text):
             hint = "; it must not be negative" if text.startswith("-") else ""
-            raise Invalid(f"{text!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
+            raise InvalidValue(f"{text!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
         seconds = float(sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text)))
         if 0 < seconds < self.minimum:
-            raise Invalid(f"{text!r} is too short: use 0 (off) or at least {self.minimum:g}s")
+            raise InvalidValue(f"{text!r} is too short: use 0 (off) or at least {self.minimum:g}s")
         return seconds
 
     def to_text(self, value: Any) -> str:
@@ -331,10 +327,6 @@ class IntervalKind(Kind):
 
     def to_data(self, value: Any) -> str:
         return self.to_text(value)
-
-
-# The XID action classes (agent.health.policy.ACTIONS; tests keep the two equal).
-XID_ACTIONS = ("ignore", "application", "reset", "reboot")
 
 
 class XidListKind(Kind):
@@ -356,14 +348,14 @@ class XidListKind(Kind):
             items = []
             for i, item in enumerate(value):
                 if isinstance(item, bool) or not isinstance(item, (int, str)):
-                    raise Invalid(f"expected an XID, got {describe(item)}", f"[{i}]")
+                    raise InvalidValue(f"expected an XID, got {describe(item)}", f"[{i}]")
                 items.append(str(item))
             return self.check(",".join(items))
         return self.check(expect_str(value, "all, xids, or comma-separated XIDs"))
 
     def check(self, value: str) -> str:
         if any(ord(ch) < 32 for ch in value):
-            raise Invalid(f"{value!r} contains control characters")
+            raise InvalidValue(f"{value!r} contains control characters")
         return value
 
 
@@ -379,9 +371,9 @@ class XidActionsKind(Kind):
         if isinstance(xid, str) and xid.strip().isdigit() and xid.strip().isascii():
             xid = int(xid.strip())
         if isinstance(xid, bool) or not isinstance(xid, int) or not 0 <= xid < 2**64:
-            raise Invalid(f"{describe(xid)} is not an XID (an unsigned integer)", subkey)
+            raise InvalidValue(f"{describe(xid)} is not an XID (an unsigned integer)", subkey)
         if not isinstance(action, str) or action not in XID_ACTIONS:
-            raise Invalid(f"{describe(action)} is not one of {', '.join(XID_ACTIONS)}", subkey)
+            raise InvalidValue(f"{describe(action)} is not one of {', '.join(XID_ACTIONS)}", subkey)
         return xid, action
 
     def from_text(self, text: Any) -> tuple[tuple[int, str], ...]:
@@ -391,7 +383,7 @@ class XidActionsKind(Kind):
             if not item:
                 continue
             if "=" not in item:
-                raise Invalid(f"{item!r} is not XID=ACTION (e.g. 48=reset)")
+                raise InvalidValue(f"{item!r} is not XID=ACTION (e.g. 48=reset)")
             xid, action = (s.strip() for s in item.split("=", 1))
             xid, action = self._pair(xid, action, "")
             out[xid] = action
@@ -399,13 +391,13 @@ class XidActionsKind(Kind):
 
     def from_data(self, value: Any) -> tuple[tuple[int, str], ...]:
         if not isinstance(value, dict):
-            raise Invalid(f"expected a mapping of XID to action, e.g. {{48: reset}}, got "
-                          f"{describe(value)}")
+            raise InvalidValue(f"expected a mapping of XID to action, e.g. {{48: reset}}, got "
+                               f"{describe(value)}")
         out = {}
         for xid, action in value.items():
             xid_n, action = self._pair(xid, action, f".{xid}")
             if xid_n in out:
-                raise Invalid(f"XID {xid_n} is given twice", f".{xid}")
+                raise InvalidValue(f"XID {xid_n} is given twice", f".{xid}")
             out[xid_n] = action
         return tuple(sorted(out.items()))
 
@@ -425,15 +417,15 @@ class PathListKind(Kind):
 
     def _check_list(self, items: list[str], subkeys: list[str]) -> tuple[str, ...]:
         if not items:
-            raise Invalid("empty list; give at least one absolute path")
+            raise InvalidValue("empty list; give at least one absolute path")
         seen: set[str] = set()
         for item, subkey in zip(items, subkeys):
             try:
                 PathKind().check(item)
-            except Invalid as exc:
-                raise Invalid(exc.problem, subkey) from None
+            except InvalidValue as exc:
+                raise InvalidValue(exc.problem, subkey) from None
             if item in seen:
-                raise Invalid(f"{item!r} is listed twice", subkey)
+                raise InvalidValue(f"{item!r} is listed twice", subkey)
             seen.add(item)
         return tuple(items)
 
@@ -441,17 +433,17 @@ class PathListKind(Kind):
         text = expect_str(text)
         items = [item.strip() for item in text.split(",")]
         if any(not item for item in items):
-            raise Invalid(f"{text!r} has an empty item; separate the paths with single commas")
+            raise InvalidValue(f"{text!r} has an empty item; separate the paths with single commas")
         return self._check_list(items, [""] * len(items))
 
     def from_data(self, value: Any) -> tuple[str, ...]:
         if isinstance(value, str):
             return self._check_list([value], [""])
         if not isinstance(value, list):
-            raise Invalid(f"expected a path or a list of paths, got {describe(value)}")
+            raise InvalidValue(f"expected a path or a list of paths, got {describe(value)}")
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                raise Invalid(f"expected an absolute path, got {describe(item)}", f"[{i}]")
+                raise InvalidValue(f"expected an absolute path, got {describe(item)}", f"[{i}]")
         return self._check_list(list(value), [f"[{i}]" for i in range(len(value))])
 
     def to_data(self, value: Any) -> list[str]:

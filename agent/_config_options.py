@@ -2,8 +2,10 @@
 config-file key, value kind and default.
 
 Owns: the names and defaults, following NVIDIA's k8s-device-plugin wherever it has the option
-(flags, env vars, `flags.*` keys) and our own `agent.*` keys otherwise. Must not parse or layer
-anything (agent.config does), and must not import anything of `agent` but the _config_ modules.
+(flags, env vars, `flags.*` keys) and our own `agent.*` keys otherwise; the lists of names
+and the default values themselves are agent.constants' (the parts that act on an option share
+them). Must not parse or layer anything (agent.config does), and must not import anything of
+`agent` but `constants` and the _config_ modules.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agent._config_values import (
-    NVML_SONAME,
+from agent._config_kinds import (
     BoolKind,
     ChoiceKind,
     ChoiceListKind,
@@ -26,14 +27,28 @@ from agent._config_values import (
     XidActionsKind,
     XidListKind,
 )
-
-MIG_STRATEGIES = ("none", "single", "mixed")
-DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
-DEVICE_ID_STRATEGIES = ("uuid", "index")
-ALLOCATION_POLICIES = ("best-effort", "packed")
-REPLICA_ALLOCATION_POLICIES = ("distributed", "packed")
-DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
-DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+from agent.constants import (
+    ALLOCATION_POLICIES,
+    DEFAULT_ALLOCATION_POLICY,
+    DEFAULT_CDI_ANNOTATION_PREFIX,
+    DEFAULT_CDI_SPEC_DIRS,
+    DEFAULT_DEVICE_ID_STRATEGY,
+    DEFAULT_DEVICE_LIST_STRATEGIES,
+    DEFAULT_DRIVER_ROOT,
+    DEFAULT_ISOLATION_FILE,
+    DEFAULT_KUBELET_SOCKET,
+    DEFAULT_MIG_STRATEGY,
+    DEFAULT_POD_RESOURCES_SOCKET,
+    DEFAULT_RECONCILE_INTERVAL_S,
+    DEFAULT_RECOVERY_QUIET_PERIOD_S,
+    DEFAULT_REPLICA_ALLOCATION_POLICY,
+    DEFAULT_STATE_DIR,
+    DEVICE_ID_STRATEGIES,
+    DEVICE_LIST_STRATEGIES,
+    MIG_STRATEGIES,
+    NVML_SONAME,
+    REPLICA_ALLOCATION_POLICIES,
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +79,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",
-        ChoiceKind(*MIG_STRATEGIES), "none",
+        ChoiceKind(*MIG_STRATEGIES), DEFAULT_MIG_STRATEGY,
         "how MIG devices on MIG-enabled GPUs are exposed",
     ),
     Option(
@@ -74,7 +89,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "driver_root", "--driver-root", "NVIDIA_DRIVER_ROOT", "flags.nvidiaDriverRoot",
-        PathKind(), "/",
+        PathKind(), DEFAULT_DRIVER_ROOT,
         "root of the NVIDIA driver installation on the host",
         aliases=("--nvidia-driver-root",),
     ),
@@ -91,17 +106,19 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "device_list_strategy", "--device-list-strategy", "DEVICE_LIST_STRATEGY",
-        "flags.plugin.deviceListStrategy", ChoiceListKind(*DEVICE_LIST_STRATEGIES), ("envvar",),
+        "flags.plugin.deviceListStrategy", ChoiceListKind(*DEVICE_LIST_STRATEGIES),
+        DEFAULT_DEVICE_LIST_STRATEGIES,
         "how the allocated devices are passed to the container runtime (several allowed)",
     ),
     Option(
         "device_id_strategy", "--device-id-strategy", "DEVICE_ID_STRATEGY",
-        "flags.plugin.deviceIDStrategy", ChoiceKind(*DEVICE_ID_STRATEGIES), "uuid",
+        "flags.plugin.deviceIDStrategy", ChoiceKind(*DEVICE_ID_STRATEGIES),
+        DEFAULT_DEVICE_ID_STRATEGY,
         "how devices are named to the container runtime",
     ),
     Option(
         "cdi_annotation_prefix", "--cdi-annotation-prefix", "CDI_ANNOTATION_PREFIX",
-        "flags.plugin.cdiAnnotationPrefix", TextKind(), "cdi.k8s.io/",
+        "flags.plugin.cdiAnnotationPrefix", TextKind(), DEFAULT_CDI_ANNOTATION_PREFIX,
         "prefix of the CDI annotation keys (device-list strategy cdi-annotations)",
     ),
     Option(
@@ -111,7 +128,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "state_dir", "--state-dir", "GPU_AGENT_STATE_DIR", "agent.stateDir",
-        PathKind(), "/var/lib/gpu-agent",
+        PathKind(), DEFAULT_STATE_DIR,
         "where the agent keeps its checkpoints",
     ),
     Option(
@@ -123,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "checkpoint_device_id_strategy", "--checkpoint-device-id-strategy",
         "CHECKPOINT_DEVICE_ID_STRATEGY", "agent.checkpointDeviceIDStrategy",
-        ChoiceKind(*DEVICE_ID_STRATEGIES), "uuid",
+        ChoiceKind(*DEVICE_ID_STRATEGIES), DEFAULT_DEVICE_ID_STRATEGY,
         "how checkpointed allocations find their GPUs after a restart: by UUID, or by index "
         "(for VMs whose GPU UUIDs change on cold migration)",
     ),
@@ -135,20 +152,20 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "reconcile_interval", "--reconcile-interval", "GPU_AGENT_RECONCILE_INTERVAL",
-        "agent.reconcileInterval", IntervalKind(), 60.0,
+        "agent.reconcileInterval", IntervalKind(), DEFAULT_RECONCILE_INTERVAL_S,
         "how often allocations are matched to pods through podresources, besides at start "
         "and after Allocate; 0: only then",
     ),
     Option(
         "allocation_policy", "--allocation-policy", "GPU_AGENT_ALLOCATION_POLICY",
-        "agent.allocationPolicy", ChoiceKind(*ALLOCATION_POLICIES), "best-effort",
+        "agent.allocationPolicy", ChoiceKind(*ALLOCATION_POLICIES), DEFAULT_ALLOCATION_POLICY,
         "how GetPreferredAllocation picks GPUs: the best-linked set (best-effort), or the "
         "tightest topology group that fits first, keeping whole NVLink islands free (packed)",
     ),
     Option(
         "replica_allocation_policy", "--replica-allocation-policy",
         "GPU_AGENT_REPLICA_ALLOCATION_POLICY", "agent.replicaAllocationPolicy",
-        ChoiceKind(*REPLICA_ALLOCATION_POLICIES), "distributed",
+        ChoiceKind(*REPLICA_ALLOCATION_POLICIES), DEFAULT_REPLICA_ALLOCATION_POLICY,
         "how shared replicas are picked: spread over as many GPUs as possible (distributed), "
         "or fill GPUs already in use first (packed)",
     ),
@@ -175,20 +192,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "recovery_quiet_period", "--recovery-quiet-period", "GPU_AGENT_RECOVERY_QUIET_PERIOD",
-        "agent.health.recoveryQuietPeriod", IntervalKind(minimum=0.0), 60.0,
+        "agent.health.recoveryQuietPeriod", IntervalKind(minimum=0.0),
+        DEFAULT_RECOVERY_QUIET_PERIOD_S,
         "how long a GPU withdrawn for a reset-class error must stay free of critical events "
         "(and then pass a probe) before it returns",
     ),
     Option(
         "unhealthy_devices_file", "--unhealthy-devices-file",
         "GPU_AGENT_UNHEALTHY_DEVICES_FILE", "agent.health.unhealthyDevicesFile",
-        PathKind(empty="no isolation file"), "/etc/nvidia-device-plugin/unhealthyDevices.json",
+        PathKind(empty="no isolation file"), DEFAULT_ISOLATION_FILE,
         "the manual isolation file {\"index\": [...], \"uuid\": [...]}: devices listed are "
         "withdrawn; empty: none",
     ),
     Option(
         "cdi_spec_dirs", "--cdi-spec-dirs", "GPU_AGENT_CDI_SPEC_DIRS", "agent.cdiSpecDirs",
-        PathListKind(), ("/etc/cdi", "/var/run/cdi"),
+        PathListKind(), DEFAULT_CDI_SPEC_DIRS,
         "where nvidia-container-toolkit's CDI specs are, checked with a cdi-* device-list "
         "strategy (later directories take precedence, as in the CDI spec)",
     ),

@@ -3,12 +3,13 @@ plus our `agent:` section, environment variables and command-line flags, layered
 flag beats an environment variable beats the file beats the default.
 
 Owns: the effective configuration (`Config`: every value and where it came from),
-`load_config`, the option flags (`add_run_options`, for `gpu-agent run` and `config show`), and
-the `gpu-agent config show|check` commands. The option table is in _config_options, parsing of
-single values in _config_values, the file schema in _config_file. Must not act on the
-configuration (open NVML, touch sockets or the state directory) nor refuse values it parses
-that the agent does not implement yet (later layers may, at run time); must not import
-anything of `agent` but errors and its own private modules.
+`load_config`, the option flags (`add_run_options`, for `gpu-agent run` and `config show`;
+`add_state_command`, for the commands that read a state directory), and the `gpu-agent config
+show|check` commands. The option table is in _config_options, the value kinds in
+_config_kinds, the file schema in _config_file, the names and defaults in agent.constants.
+Must not act on the configuration (open NVML, touch sockets or the state directory) nor
+refuse values it parses that the agent does not implement yet (later layers may, at run
+time); must not import anything of `agent` but errors, constants and its own private modules.
 """
 
 from __future__ import annotations
@@ -28,22 +29,19 @@ from agent._config_file import (
     GROUPS,
     FileLayer,
     Imex,
-    ReplicatedResource,
-    ReplicatedResources,
-    ResourcePattern,
     Resources,
     Sharing,
     build_document,
     read_file,
 )
+from agent._config_kinds import BoolKind, ChoiceListKind
 from agent._config_options import OPTIONS, OPTIONS_BY_KEY, Option
-from agent._config_values import NVML_SONAME, BoolKind, ChoiceListKind, Invalid
-from agent.errors import ConfigError
+from agent.constants import NVML_SONAME
+from agent.errors import ConfigError, InvalidValue
 
 __all__ = [
-    "OPTIONS", "Config", "ConfigError", "Imex", "ReplicatedResource", "ReplicatedResources",
-    "ResourcePattern", "Resources", "Sharing", "Source", "add_cli", "add_run_options",
-    "check_config_file", "config_json", "format_config", "load_config",
+    "OPTIONS", "Config", "ConfigError", "Source", "add_cli", "add_run_options",
+    "add_state_command", "check_config_file", "config_json", "format_config", "load_config",
 ]
 
 SECTIONS = ("resources", "sharing", "imex")
@@ -160,7 +158,7 @@ def _given(args: Any) -> dict:
 def _from_text(opt: Option, raw: Any, key: str, where: str) -> Any:
     try:
         return opt.kind.from_text(raw)
-    except Invalid as exc:
+    except InvalidValue as exc:
         raise ConfigError(key + exc.subkey, exc.problem, where) from None
 
 
@@ -343,6 +341,20 @@ def add_run_options(parser: argparse.ArgumentParser) -> Any:
             kwargs["action"] = "append"  # repeated and/or comma-separated
         group.add_argument(opt.flag, *opt.aliases, **kwargs)
     return group
+
+
+def add_state_command(sub: Any, name: str, func: Any, *, help: str,
+                      description: str) -> argparse.ArgumentParser:
+    """Register command `name`, which reads what an agent left in its state directory: it takes
+    run's options (to find that directory) and --json, and runs `func(args)`."""
+    p = sub.add_parser(
+        name, allow_abbrev=False, help=help,
+        description=f"{description} Takes run's options to find the state directory "
+                    f"(--state-dir, GPU_AGENT_STATE_DIR, agent.stateDir).")
+    add_run_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=func)
+    return p
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """The exception hierarchy of gpu-agent, shared by the Python and the Cython code.
 
-Owns: every exception type the agent raises on purpose, and the one function that turns an
-NVML return code into an exception (`nvml_error`). Must not import anything of `agent`, so
-that `agent._fast` (compiled or pure) can depend on it alone.
+Owns: every exception type of the agent (those it raises on purpose, and `InvalidValue`, which
+the config value kinds raise and agent.config turns into a ConfigError), and the one function
+that turns an NVML return code into an exception (`nvml_error`). The simulator's own errors
+live in agent.sim. Must not import anything of `agent`, so that `agent._fast` (compiled or
+pure) can depend on it alone.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ class ConfigError(AgentError):
         super().__init__(f"{key}: {problem}{where}")
 
 
+class InvalidValue(ValueError):
+    """One config value is wrong (raised by agent._config_kinds, which know no keys).
+    `subkey` (e.g. "[2]") is appended to the caller's key in the ConfigError it becomes."""
+
+    def __init__(self, problem: str, subkey: str = ""):
+        super().__init__(problem)
+        self.problem = problem
+        self.subkey = subkey
+
+
+class InitError(AgentError):
+    """NVML or discovery failed at start with failOnInitError true (exit 1)."""
+
+
 class NvmlError(AgentError):
     """An NVML call returned something other than NVML_SUCCESS."""
 
@@ -104,8 +120,35 @@ class RequestError(AgentError):
     """
 
 
+class RegistrationError(AgentError):
+    """kubelet did not accept the registration (not there, refused, or timed out)."""
+
+
+class PodResourcesError(AgentError):
+    """podresources could not be asked. `kind`: "missing" (no socket), "unimplemented" (a
+    kubelet without that v1 method), "unavailable" (not answering) or "error"."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+class IsolationError(AgentError):
+    """The isolation file is malformed (the previous set stays in force)."""
+
+
 class StateError(AgentError):
     """A checkpoint could not be read or written."""
+
+
+class CheckpointError(StateError):
+    """A checkpoint that cannot be used. `kind`: "truncated", "corrupt", "version" or
+    "unreadable"; the message says what is wrong and where."""
+
+    def __init__(self, kind: str, problem: str):
+        self.kind = kind
+        self.problem = problem
+        super().__init__(problem)
 
 
 def nvml_error(code: int, function: str = "") -> NvmlError:

@@ -21,29 +21,33 @@ from conftest import DATA, gpu_agent_cmd, run_gpu_agent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent._config_file import SCHEMA
-from agent._config_options import (
-    DEFAULT_KUBELET_SOCKET,
-    DEVICE_ID_STRATEGIES,
-    DEVICE_LIST_STRATEGIES,
-    MIG_STRATEGIES,
-)
-from agent._config_values import FALSE_TEXT, NVML_SONAME, TRUE_TEXT, XID_ACTIONS
-from agent.config import (
-    OPTIONS,
-    ConfigError,
+from agent._config_file import (
+    SCHEMA,
     Imex,
     ReplicatedResource,
     ReplicatedResources,
     ResourcePattern,
     Resources,
     Sharing,
+)
+from agent._config_kinds import FALSE_TEXT, TRUE_TEXT
+from agent.config import (
+    OPTIONS,
+    ConfigError,
     Source,
     add_run_options,
     check_config_file,
     config_json,
     format_config,
     load_config,
+)
+from agent.constants import (
+    DEFAULT_KUBELET_SOCKET,
+    DEVICE_ID_STRATEGIES,
+    DEVICE_LIST_STRATEGIES,
+    MIG_STRATEGIES,
+    NVML_SONAME,
+    XID_ACTIONS,
 )
 
 CONFIGS = DATA / "configs"
@@ -269,99 +273,102 @@ def test_bad_choice_on_the_command_line_names_the_flag():
     assert str(info.value) == "--device-id-strategy: 'serial' is not one of uuid, index (command line)"
 
 
-@pytest.mark.parametrize("flags, key, problem", [
-    ({"migStrategy": 3}, "flags.migStrategy",
-     "expected one of none, single, mixed, got integer 3"),
-    ({"failOnInitError": "yes please"}, "flags.failOnInitError",
-     "expected a boolean (true or false), got string 'yes please'"),
-    ({"failOnInitError": "true"}, "flags.failOnInitError",
-     "expected a boolean (true or false), got string 'true'"),
-    ({"nvidiaDriverRoot": ["/"]}, "flags.nvidiaDriverRoot", "expected a string, got a list"),
-    ({"nvidiaDriverRoot": "run/nvidia/driver"}, "flags.nvidiaDriverRoot",
-     "'run/nvidia/driver' is not an absolute path"),
-    ({"nvidiaDriverRoot": ""}, "flags.nvidiaDriverRoot", "must not be empty"),
-    ({"nvidiaDevRoot": "dev"}, "flags.nvidiaDevRoot", "'dev' is not an absolute path"),
-    ({"plugin": {"deviceListStrategy": ["envvar", "bogus"]}},
-     "flags.plugin.deviceListStrategy[1]",
-     "'bogus' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
-    ({"plugin": {"deviceListStrategy": "envvar,cdi-cri"}}, "flags.plugin.deviceListStrategy",
-     "'envvar,cdi-cri' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri; in the "
-     "file, give several as a YAML list, e.g. [envvar, cdi-cri]"),
-    ({"plugin": {"deviceListStrategy": []}}, "flags.plugin.deviceListStrategy",
-     "empty list; give at least one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
-    ({"plugin": {"deviceListStrategy": ["envvar", "envvar"]}},
-     "flags.plugin.deviceListStrategy[1]", "'envvar' is listed twice"),
-    ({"plugin": {"deviceListStrategy": {"envvar": True}}}, "flags.plugin.deviceListStrategy",
-     "expected a string or a list of strings, got a mapping"),
-    ({"plugin": {"deviceListStrategy": [1]}}, "flags.plugin.deviceListStrategy[0]",
-     "expected one of envvar, volume-mounts, cdi-annotations, cdi-cri, got integer 1"),
-    ({"plugin": {"cdiAnnotationPrefix": "cdi k8s/"}}, "flags.plugin.cdiAnnotationPrefix",
-     "'cdi k8s/' contains whitespace or control characters"),
-    ({"plugin": {"kubeletSocket": "kubelet.sock"}}, "flags.plugin.kubeletSocket",
-     "'kubelet.sock' is not an absolute path"),
-    ({"plugin": {"passDeviceSpecs": 1}}, "flags.plugin.passDeviceSpecs",
-     "expected a boolean (true or false), got integer 1"),
-    ({"gfd": {"sleepInterval": "sixty seconds"}}, "flags.gfd.sleepInterval",
-     "'sixty seconds' is not a duration such as \"60s\" or \"1m30s\""),
-    ({"gfd": {"oneshot": "no"}}, "flags.gfd.oneshot",
-     "expected a boolean (true or false), got string 'no'"),
-    ({"deviceDiscoveryStrategy": "cuda"}, "flags.deviceDiscoveryStrategy",
-     "'cuda' is not one of auto, nvml, tegra"),
-    ({"plugin": "envvar"}, "flags.plugin", "expected a mapping, got string 'envvar'"),
-], ids=lambda v: v if isinstance(v, str) and "." in v and " " not in v else None)
-def test_bad_flags_values_in_the_file(tmp_path, flags, key, problem):
-    message, path = file_error(tmp_path, v1(flags=flags))
-    assert message == f"{key}: {problem} ({path})"
-
-
-@pytest.mark.parametrize("agent, key, problem", [
-    ({"stateDir": ""}, "agent.stateDir", "must not be empty"),
-    ({"stateDir": "state"}, "agent.stateDir", "'state' is not an absolute path"),
-    ({"nvmlLibrary": "libnvidia-ml.so"}, "agent.nvmlLibrary",
-     "'libnvidia-ml.so' is neither libnvidia-ml.so.1 (looked up under the driver root) "
-     "nor an absolute path"),
-    ({"nvmlLibrary": "lib/libnvidia-ml.so.1"}, "agent.nvmlLibrary",
-     "'lib/libnvidia-ml.so.1' is not an absolute path"),
-    ({"stateDir": 7}, "agent.stateDir", "expected a string, got integer 7"),
-    ({"checkpointDeviceIDStrategy": "UUID"}, "agent.checkpointDeviceIDStrategy",
-     "'UUID' is not one of uuid, index"),
-    ({"podResourcesSocket": "kubelet.sock"}, "agent.podResourcesSocket",
-     "'kubelet.sock' is not an absolute path"),
-    ({"reconcileInterval": 60}, "agent.reconcileInterval",
-     'expected a duration such as "60s" or "1m30s", got integer 60'),
-    ({"reconcileInterval": "-5s"}, "agent.reconcileInterval",
-     "'-5s' is not a duration such as \"60s\" or \"1m30s\"; it must not be negative"),
-    ({"reconcileInterval": "1ms"}, "agent.reconcileInterval",
-     "'1ms' is too short: use 0 (off) or at least 0.1s"),
-])
-def test_bad_agent_values_in_the_file(tmp_path, agent, key, problem):
-    message, path = file_error(tmp_path, v1(agent=agent))
-    assert message == f"{key}: {problem} ({path})"
-
-
-@pytest.mark.parametrize("var, value, problem", [
-    ("FAIL_ON_INIT_ERROR", "maybe", "'maybe' is not a boolean; use true or false"),
-    ("FAIL_ON_INIT_ERROR", "", "'' is not a boolean; use true or false"),
-    ("PASS_DEVICE_SPECS", "yes", "'yes' is not a boolean; use true or false"),
+NOT_A_BOOLEAN = ("is not a boolean; use true or false (also accepted: 1, t, T, 0, f, F, TRUE, "
+                 "FALSE, True, False)")
+# (where: an environment variable or the file key the error names, the value set there, the
+# problem); an item suffix such as "[1]" is only named.
+BAD_VALUES = [
+    ("FAIL_ON_INIT_ERROR", "maybe", f"'maybe' {NOT_A_BOOLEAN}"),
+    ("FAIL_ON_INIT_ERROR", "", f"'' {NOT_A_BOOLEAN}"),
+    ("PASS_DEVICE_SPECS", "yes", f"'yes' {NOT_A_BOOLEAN}"),
     ("DEVICE_LIST_STRATEGY", "envvar,bogus",
      "'bogus' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
-    ("DEVICE_LIST_STRATEGY", "envvar,,cdi-cri", "'envvar,,cdi-cri' has an empty item"),
+    ("DEVICE_LIST_STRATEGY", "envvar,,cdi-cri",
+     "'envvar,,cdi-cri' has an empty item; separate the values with single commas"),
     ("DEVICE_LIST_STRATEGY", "envvar,envvar", "'envvar' is listed twice"),
     ("NVIDIA_DRIVER_ROOT", "run/nvidia", "'run/nvidia' is not an absolute path"),
     ("GPU_AGENT_STATE_DIR", "", "must not be empty"),
-    ("GPU_AGENT_NVML_LIBRARY", "nvml.so", "'nvml.so' is neither libnvidia-ml.so.1"),
+    ("GPU_AGENT_NVML_LIBRARY", "nvml.so",
+     "'nvml.so' is neither libnvidia-ml.so.1 (looked up under the driver root) nor an "
+     "absolute path"),
     ("KUBELET_SOCKET", "kubelet.sock", "'kubelet.sock' is not an absolute path"),
     ("CDI_ANNOTATION_PREFIX", "", "must not be empty"),
     ("DEVICE_ID_STRATEGY", "UUID", "'UUID' is not one of uuid, index"),
     ("CHECKPOINT_DEVICE_ID_STRATEGY", "gpu", "'gpu' is not one of uuid, index"),
-    ("GPU_AGENT_RECONCILE_INTERVAL", "60", "'60' is not a duration such as"),
-])
-def test_bad_environment_values_name_the_variable(var, value, problem):
-    with pytest.raises(ConfigError) as info:
-        load_config({}, {var: value})
-    message = str(info.value)
-    assert message.startswith(f"{var}: {problem}")
-    assert message.endswith(" (environment)")
+    ("GPU_AGENT_RECONCILE_INTERVAL", "60", "'60' is not a duration such as \"60s\" or \"1m30s\""),
+    ("flags.migStrategy", 3, "expected one of none, single, mixed, got integer 3"),
+    ("flags.failOnInitError", "yes please",
+     "expected a boolean (true or false), got string 'yes please'"),
+    ("flags.failOnInitError", "true", "expected a boolean (true or false), got string 'true'"),
+    ("flags.nvidiaDriverRoot", ["/"], "expected a string, got a list"),
+    ("flags.nvidiaDriverRoot", "run/nvidia/driver", "'run/nvidia/driver' is not an absolute path"),
+    ("flags.nvidiaDriverRoot", "", "must not be empty"),
+    ("flags.nvidiaDevRoot", "dev", "'dev' is not an absolute path"),
+    ("flags.plugin.deviceListStrategy[1]", ["envvar", "bogus"],
+     "'bogus' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
+    ("flags.plugin.deviceListStrategy", "envvar,cdi-cri",
+     "'envvar,cdi-cri' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri; in the "
+     "file, give several as a YAML list, e.g. [envvar, cdi-cri]"),
+    ("flags.plugin.deviceListStrategy", [],
+     "empty list; give at least one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
+    ("flags.plugin.deviceListStrategy[1]", ["envvar", "envvar"], "'envvar' is listed twice"),
+    ("flags.plugin.deviceListStrategy", {"envvar": True},
+     "expected a string or a list of strings, got a mapping"),
+    ("flags.plugin.deviceListStrategy[0]", [1],
+     "expected one of envvar, volume-mounts, cdi-annotations, cdi-cri, got integer 1"),
+    ("flags.plugin.cdiAnnotationPrefix", "cdi k8s/",
+     "'cdi k8s/' contains whitespace or control characters"),
+    ("flags.plugin.kubeletSocket", "kubelet.sock", "'kubelet.sock' is not an absolute path"),
+    ("flags.plugin.passDeviceSpecs", 1, "expected a boolean (true or false), got integer 1"),
+    ("flags.gfd.sleepInterval", "sixty seconds",
+     "'sixty seconds' is not a duration such as \"60s\" or \"1m30s\""),
+    ("flags.gfd.oneshot", "no", "expected a boolean (true or false), got string 'no'"),
+    ("flags.deviceDiscoveryStrategy", "cuda", "'cuda' is not one of auto, nvml, tegra"),
+    ("flags.plugin", "envvar", "expected a mapping, got string 'envvar'"),
+    ("agent.stateDir", "", "must not be empty"),
+    ("agent.stateDir", "state", "'state' is not an absolute path"),
+    ("agent.stateDir", 7, "expected a string, got integer 7"),
+    ("agent.nvmlLibrary", "libnvidia-ml.so",
+     "'libnvidia-ml.so' is neither libnvidia-ml.so.1 (looked up under the driver root) "
+     "nor an absolute path"),
+    ("agent.nvmlLibrary", "lib/libnvidia-ml.so.1",
+     "'lib/libnvidia-ml.so.1' is not an absolute path"),
+    ("agent.checkpointDeviceIDStrategy", "UUID", "'UUID' is not one of uuid, index"),
+    ("agent.podResourcesSocket", "kubelet.sock", "'kubelet.sock' is not an absolute path"),
+    ("agent.reconcileInterval", 60,
+     'expected a duration such as "60s" or "1m30s", got integer 60'),
+    ("agent.reconcileInterval", "-5s",
+     "'-5s' is not a duration such as \"60s\" or \"1m30s\"; it must not be negative"),
+    ("agent.reconcileInterval", "1ms", "'1ms' is too short: use 0 (off) or at least 0.1s"),
+]
+
+
+def at_key(key: str, value) -> dict:
+    """A v1 document with `value` at the dotted `key` (without its item suffix)."""
+    *parents, last = key.split("[")[0].split(".")
+    doc: dict = {}
+    node = doc
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return v1(**doc)
+
+
+def bad_value(tmp_path: Path, where: str, value) -> tuple[str, str]:
+    """The message of the ConfigError for `value` set at `where` (an environment variable, in
+    capitals, or a file key), and the source the message should name."""
+    if where.isupper():
+        with pytest.raises(ConfigError) as info:
+            load_config({}, {where: value})
+        return str(info.value), "environment"
+    return file_error(tmp_path, at_key(where, value))
+
+
+@pytest.mark.parametrize("where, value, problem", BAD_VALUES,
+                         ids=[where for where, _, _ in BAD_VALUES])
+def test_bad_values_name_where_they_came_from(tmp_path, where, value, problem):
+    message, source = bad_value(tmp_path, where, value)
+    assert message == f"{where}: {problem} ({source})"
 
 
 def test_undecodable_bytes_in_the_environment_are_refused():

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent._config_values import XID_ACTIONS
 from agent.config import load_config
+from agent.constants import XID_ACTIONS
 from agent.errors import ConfigError
 from agent.health import policy
 from agent.health.policy import (
@@ -112,8 +112,9 @@ def test_xids_beyond_the_filter_are_decided_in_python():
     assert p.action(5000) == IGNORE and p.action(5001) == RESET
 
 
-def test_action_names_agree_with_the_config_kind():
-    assert XID_ACTIONS == policy.ACTIONS
+def test_action_classes_run_weakest_first():
+    # agent.health.recovery.STRENGTH ranks faults by this order
+    assert XID_ACTIONS == (IGNORE, APPLICATION, RESET, REBOOT)
 
 
 @given(st.text(alphabet="0123456789,axlids -", max_size=20),

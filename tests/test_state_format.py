@@ -10,10 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.constants import DEVICE_ID_STRATEGIES
+from agent.errors import CheckpointError
 from agent.state import checkpoint as ck
 from agent.state.checkpoint import (
     Checkpoint,
-    CheckpointError,
     DeviceSpecRec,
     GpuRef,
     MountRec,
@@ -56,7 +57,7 @@ def records(draw):
 checkpoints = st.builds(
     Checkpoint,
     records=st.lists(records(), max_size=5, unique_by=lambda r: r.id).map(tuple),
-    written=times, boot=text, keyed_by=st.sampled_from(ck.KEYED_BY),
+    written=times, boot=text, keyed_by=st.sampled_from(DEVICE_ID_STRATEGIES),
 )
 _SETTINGS = settings(max_examples=100, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])

@@ -18,7 +18,8 @@ import pytest
 
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
-from agent.kubelet.podresources import PodResourcesClient, PodResourcesError, Reconciler
+from agent.errors import PodResourcesError
+from agent.kubelet.podresources import PodResourcesClient, Reconciler
 from agent.rm.allocate import ResponseOptions, container_response
 from agent.rm.devices import Device
 from agent.state.checkpoint import PodRef

@@ -23,7 +23,8 @@ import pytest
 
 from agent import daemon
 from agent.__main__ import build_parser
-from agent._config_options import DEFAULT_KUBELET_SOCKET, OPTIONS_BY_NAME
+from agent._config_options import OPTIONS_BY_NAME
+from agent.constants import DEFAULT_KUBELET_SOCKET
 from tests.conftest import ROOT
 
 UNIT = ROOT / "systemd" / "gpu-agent.service"

@@ -4,8 +4,8 @@ Owns: the limits of `PairScores` (pair scores, GPU count, the search's node budg
 that ranks GPUs of unknown NUMA node last) and the errors whose wording must be identical in
 the compiled module and `_topology_py`; and `tree_split` / `score_tree`, which recognise
 tree-shaped score matrices (up to a few odd GPUs) once, at construction, for the exact tree DP
-of both implementations (one builder, so the two work on the same tree). Must not import anything of `agent` but `errors` and its
-sibling `_types`, nor do any NVML calls.
+of both implementations (one builder, so the two work on the same tree). Must not import
+anything of `agent` but `errors`, `constants` and its sibling `_types`, nor do any NVML calls.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 
 from agent._fast._types import MAX_GPUS
+from agent.constants import ALLOCATION_POLICIES, PACKED
 
 # A pair score is an int in [0, MAX_PAIR_SCORE]; set scores and weights then fit in int64.
 MAX_PAIR_SCORE = (1 << 24) - 1
@@ -23,9 +24,6 @@ UNKNOWN_NUMA_WEIGHT = 1 << 40
 # search over <= 16 candidates (< 2**16 nodes) is always exact. Real
 # topologies (classes of interchangeable GPUs, tight bounds) stay far below it.
 NODE_BUDGET = 1 << 17
-BEST_EFFORT = "best-effort"
-PACKED = "packed"
-POLICIES = (BEST_EFFORT, PACKED)
 
 
 def check_scores(scores, unknown) -> tuple[list[list[int]], list[bool]]:
@@ -192,8 +190,9 @@ def check_request(n: int, available: object, must: object, k: object,
     if not bin(required).count("1") <= size <= have:
         raise ValueError(f"set size {size} must be between the {bin(required).count('1')} "
                          f"must-include and the {have} available GPUs")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy not in ALLOCATION_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: expected one of "
+                         f"{', '.join(ALLOCATION_POLICIES)}")
     return avail, required, size, policy == PACKED
 
 

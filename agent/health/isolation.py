@@ -1,7 +1,7 @@
 """Manual isolation: the operators' unhealthy-devices file, watched with inotify (pyinotify).
 
-Owns: reading `{"index": [...], "uuid": [...]}` (default path
-/etc/nvidia-device-plugin/unhealthyDevices.json, `agent.health.unhealthyDevicesFile`), which
+Owns: reading `{"index": [...], "uuid": [...]}` (`agent.health.unhealthyDevicesFile`, default
+agent.constants.DEFAULT_ISOLATION_FILE), which
 devices an isolation set names (a GPU index or UUID names every device that GPU backs; a MIG
 index "G:M" or MIG UUID names that instance), and a thread that re-reads the file whenever it
 is written, renamed into place or removed in its directory, and hands the new set (or the
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
-from agent.errors import AgentError
+from agent.errors import IsolationError
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # pyinotify imports asyncore
@@ -30,17 +30,12 @@ with warnings.catch_warnings():
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # With the file's directory missing, look for it again this often.
 RETRY_S = 2.0
 _MASK = (pyinotify.IN_CLOSE_WRITE | pyinotify.IN_MOVED_TO | pyinotify.IN_MOVED_FROM
          | pyinotify.IN_DELETE | pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF)
 _INDEX = re.compile(r"^\d+(:\d+)?$")
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+$")
-
-
-class IsolationError(AgentError):
-    """The isolation file is malformed (the previous set stays in force)."""
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from agent._fast._types import EVENT_DOUBLE_BIT_ECC, EVENT_XID_CRITICAL, XID_FILTER_SIZE
+from agent.constants import XID_ACTIONS
+from agent.constants import XID_APPLICATION as APPLICATION
+from agent.constants import XID_IGNORE as IGNORE
+from agent.constants import XID_REBOOT as REBOOT
+from agent.constants import XID_RESET as RESET
 
 log = logging.getLogger(__name__)
 
-# The action classes, from NVIDIA's XID catalog "immediate action" buckets.
-IGNORE = "ignore"            # nothing to do (not even logged)
-APPLICATION = "application"  # an application's error: the GPU is fine (RESTART_APP)
-RESET = "reset"              # the GPU needs a reset (RESET_GPU)
-REBOOT = "reboot"            # the node needs a reboot (RESTART_BM)
-ACTIONS = (IGNORE, APPLICATION, RESET, REBOOT)
+# The action classes (agent.constants.XID_ACTIONS, from NVIDIA's XID catalog "immediate action"
+# buckets) under short names; these two withdraw the GPU.
 WITHDRAWING = (RESET, REBOOT)
 ACTION_TEXT = {
     IGNORE: "ignored",
@@ -129,9 +130,9 @@ class XidPolicy:
         pairs = overrides.items() if isinstance(overrides, Mapping) else overrides
         table = {}
         for xid, action in pairs:
-            if action not in ACTIONS:
+            if action not in XID_ACTIONS:
                 raise ValueError(f"XID {xid}: unknown action {action!r}; use one of "
-                                 f"{', '.join(ACTIONS)}")
+                                 f"{', '.join(XID_ACTIONS)}")
             table[int(xid)] = action
         on = not nvidia_all_disabled(nvidia_disabled_xids(disable, enable))
         return cls(on, disable or "", enable or "", MappingProxyType(table))

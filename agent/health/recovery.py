@@ -4,7 +4,7 @@ class, and the small state file that keeps withdrawn GPUs withdrawn across agent
 Owns: `Fault` (one device's reason to be Unhealthy: XID or event, action class, since when),
 the rules (`reset_may_recover`: the GPU answers NVML as itself, no critical event for the quiet
 period, a probe passes; reboot-class faults end only when the host's boot ID changes), and
-`FaultFile`: STATE_DIR/health.json, written atomically (temp file, fsync, rename), read at
+`FaultFile`: STATE_DIR/health.json, written atomically (agent.fileio.write_atomic), read at
 start where a reboot since the fault (a new boot ID) clears reset- and reboot-class faults
 alike. A corrupt file is kept aside as health.json.corrupt-<time> and reported. Must not call
 NVML (the monitor passes probe results in) nor touch devices.
@@ -18,7 +18,9 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from agent.health.policy import ACTIONS, REBOOT, RESET
+from agent.constants import XID_ACTIONS
+from agent.fileio import write_atomic
+from agent.health.policy import REBOOT, RESET
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class Fault:
         return fault
 
 
-STRENGTH = {a: i for i, a in enumerate(ACTIONS)}  # ignore < application < reset < reboot
+STRENGTH = {a: i for i, a in enumerate(XID_ACTIONS)}  # ignore < application < reset < reboot
 
 
 def reset_may_recover(fault: Fault, now: float, quiet_s: float) -> bool:
@@ -115,14 +117,8 @@ class FaultFile:
                "faults": sorted((f.to_data() for f in faults), key=lambda d: d["device_id"])}
         if doc == self._last:
             return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_atomic(self.path, (json.dumps(doc, indent=1) + "\n").encode())
         except OSError as exc:
             message = f"cannot write the health state {self.path}: {exc}"
             if message != self.error:

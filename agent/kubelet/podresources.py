@@ -1,7 +1,7 @@
 """kubelet's podresources v1 API, and the reconciliation of the allocation journal with it.
 
 Owns: `PodResourcesClient` (List and GetAllocatableResources over kubelet's pod-resources
-socket, default /var/lib/kubelet/pod-resources/kubelet.sock), `Reconciler` (a thread that
+socket, default agent.constants.DEFAULT_POD_RESOURCES_SOCKET), `Reconciler` (a thread that
 asks kubelet which container holds which devices and applies agent.state.reconcile's outcome
 to the journal: at start, shortly after each Allocate (debounced), periodically, and sooner
 while some allocation waits for its pod or kubelet does not answer; a container kubelet lists
@@ -27,14 +27,13 @@ import grpc
 
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
-from agent.errors import AgentError, StateError
+from agent.errors import AgentError, PodResourcesError, StateError
 from agent.host import boot_id
 from agent.state.journal import CHECKPOINT_FILE, Journal
 from agent.state.reconcile import Outcome, PodDevices, reconcile
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 RPC_TIMEOUT_S = 5.0
 # After an Allocate, reconcile once this much later (more Allocates in between share it).
 DEBOUNCE_S = 0.5
@@ -44,15 +43,6 @@ PENDING_RETRY_S = 1.0
 UNAVAILABLE_RETRY_S = 5.0
 MAX_MESSAGE = 16 << 20  # kubelet's own podresources clients allow 16 MiB
 _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", MAX_MESSAGE)]
-
-
-class PodResourcesError(AgentError):
-    """podresources could not be asked. `kind`: "missing" (no socket), "unimplemented" (a
-    kubelet without that v1 method), "unavailable" (not answering) or "error"."""
-
-    def __init__(self, kind: str, message: str):
-        self.kind = kind
-        super().__init__(message)
 
 
 _SINCE = {"List": "Kubernetes 1.20", "GetAllocatableResources": "Kubernetes 1.23"}

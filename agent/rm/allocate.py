@@ -22,6 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from agent.constants import (
+    DEFAULT_CDI_ANNOTATION_PREFIX,
+    DEFAULT_DEVICE_ID_STRATEGY,
+    DEFAULT_DEVICE_LIST_STRATEGIES,
+    DEFAULT_DRIVER_ROOT,
+)
 from agent.errors import RequestError
 from agent.rm.devices import Device
 
@@ -32,8 +38,6 @@ CDI_KIND = "nvidia.com/gpu"
 # Control device nodes passed with passDeviceSpecs where they exist under the dev root.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                    "/dev/nvidia-modeset")
-LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
-ID_STRATEGIES = ("uuid", "index")
 
 
 class Mount(NamedTuple):
@@ -52,11 +56,11 @@ class DeviceSpec(NamedTuple):
 class ResponseOptions:
     """The settings that shape an Allocate response (from the effective config)."""
 
-    list_strategies: tuple[str, ...] = ("envvar",)
-    id_strategy: str = "uuid"
+    list_strategies: tuple[str, ...] = DEFAULT_DEVICE_LIST_STRATEGIES
+    id_strategy: str = DEFAULT_DEVICE_ID_STRATEGY
     pass_device_specs: bool = False
-    cdi_annotation_prefix: str = "cdi.k8s.io/"
-    dev_root: str = "/"
+    cdi_annotation_prefix: str = DEFAULT_CDI_ANNOTATION_PREFIX
+    dev_root: str = DEFAULT_DRIVER_ROOT
 
 
 @dataclass

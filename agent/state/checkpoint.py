@@ -28,22 +28,12 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
-from agent.errors import StateError
+from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEVICE_ID_STRATEGIES
+from agent.errors import CheckpointError
 
 FORMAT = "gpu-agent checkpoint"
 VERSION = 1
-KEYED_BY = ("uuid", "index")
 NOT_A_CHECKPOINT = f"not a gpu-agent checkpoint (no '{FORMAT}' frame)"
-
-
-class CheckpointError(StateError):
-    """A checkpoint that cannot be used. `kind`: "truncated", "corrupt", "version" or
-    "unreadable"; the message says what is wrong and where."""
-
-    def __init__(self, kind: str, problem: str):
-        self.kind = kind
-        self.problem = problem
-        super().__init__(problem)
 
 
 class GpuRef(NamedTuple):
@@ -115,7 +105,7 @@ class Checkpoint:
     records: tuple[Record, ...] = ()
     written: float = 0.0
     boot: str = ""
-    keyed_by: str = "uuid"
+    keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +409,9 @@ def decode(data: bytes) -> Checkpoint:
         raise CheckpointError("corrupt", f"frame.version: {version} is not a schema version")
     doc = _map(_unpack(body, "body"), ("written", "boot", "keyedBy", "records"), "body")
     keyed_by = _typed(doc["keyedBy"], str, "a string", "body.keyedBy")
-    if keyed_by not in KEYED_BY:
-        raise _bad("body.keyedBy", f"{keyed_by!r} is not one of {', '.join(KEYED_BY)}")
+    if keyed_by not in DEVICE_ID_STRATEGIES:
+        raise _bad("body.keyedBy",
+                   f"{keyed_by!r} is not one of {', '.join(DEVICE_ID_STRATEGIES)}")
     _typed(doc["records"], list, "a list", "body.records")
     records = tuple(_record(r, f"records[{i}]") for i, r in enumerate(doc["records"]))
     ids = [r.id for r in records]

@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any
 
-from agent.errors import StateError
-from agent.state.checkpoint import Checkpoint, CheckpointError, Record
+from agent.errors import CheckpointError, StateError
+from agent.state.checkpoint import Checkpoint, Record
 from agent.state.journal import CHECKPOINT_FILE, read_checkpoint, set_aside_files
 
 
@@ -95,19 +95,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def add_cli(sub: Any) -> None:
     """Register `gpu-agent state show` on the top-level sub-parsers."""
-    from agent.config import add_run_options
+    from agent.config import add_state_command
 
     p = sub.add_parser("state", help="show the allocations the agent recorded",
                        description="The allocation checkpoint in the state directory.")
     ssub = p.add_subparsers(dest="state_command", metavar="STATE_COMMAND")
     ssub.required = True
-    show = ssub.add_parser(
-        "show", allow_abbrev=False,
+    add_state_command(
+        ssub, "show", _cmd_show,
         help="list the recorded allocations: pod, namespace, container, resource, devices, "
              "GPUs, since",
-        description="List the allocations in STATE_DIR/checkpoint.msgpack. Takes run's "
-                    "options to find the state directory (--state-dir, GPU_AGENT_STATE_DIR, "
-                    "agent.stateDir). Reads only.")
-    add_run_options(show)
-    show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(func=_cmd_show)
+        description="List the allocations in STATE_DIR/checkpoint.msgpack (reads only).")

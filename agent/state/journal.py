@@ -2,8 +2,8 @@
 
 Owns: loading the checkpoint at start (a bad file is moved aside with a timestamp, reported,
 never overwritten; the agent then starts empty), recording Allocate answers durably before
-they are returned, applying reconciliation outcomes, and writing the file atomically (temp
-file, fsync, rename, fsync of the directory; mode 0600).
+they are returned, applying reconciliation outcomes, and writing the file atomically
+(agent.fileio.write_atomic: temp file, fsync, rename, fsync of the directory; mode 0600).
 
 Group commit: concurrent `append` calls share one write. The first caller to find no write
 under way becomes the leader: it takes every record waiting (its own and those queued behind
@@ -27,10 +27,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent.errors import StateError
+from agent.constants import DEFAULT_DEVICE_ID_STRATEGY
+from agent.errors import CheckpointError, StateError
+from agent.fileio import TEMP_SUFFIX, fsync_dir, write_atomic
 from agent.state.checkpoint import (
     Checkpoint,
-    CheckpointError,
     DeviceSpecRec,
     GpuRef,
     MountRec,
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.msgpack"
 ASIDE_MARK = ".bad-"
-# the write buffer: records are small, so they go to the file in pieces of this size
-WRITE_BUFFER = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class _Batch:
 class Journal:
     """The records of what Allocate handed out, durable in one checkpoint file."""
 
-    def __init__(self, path: str, *, boot: str, keyed_by: str = "uuid",
+    def __init__(self, path: str, *, boot: str, keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY,
                  clock: Callable[[], float] = time.time):
         self.path = os.path.abspath(path)
         self.directory = os.path.dirname(self.path)
@@ -142,13 +141,14 @@ class Journal:
         """Read the checkpoint into memory. A bad one is moved aside and reported (log,
         `set_aside`); the journal then starts empty. Never raises for a bad file."""
         self.earlier_aside = set_aside_files(self.path)
+        tmp = self.path + TEMP_SUFFIX
         try:
-            os.unlink(self.path + ".tmp")  # a write cut short: the real file is intact
-            log.info("removed %s.tmp, left by a write that did not finish", self.path)
+            os.unlink(tmp)  # a write cut short: the real file is intact
+            log.info("removed %s, left by a write that did not finish", tmp)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("cannot remove %s.tmp: %s", self.path, exc)
+            log.warning("cannot remove %s: %s", tmp, exc)
         try:
             cp = read_checkpoint(self.path)
         except CheckpointError as exc:
@@ -206,7 +206,7 @@ class Journal:
                 os.rename(self.path, target)
             else:
                 os.unlink(self.path)
-            self._fsync_dir()
+            fsync_dir(self.directory)
             return target
         raise OSError(f"no free name for {self.path}{ASIDE_MARK}{stamp}")
 
@@ -364,21 +364,9 @@ class Journal:
     def _write(self, chunks: Sequence[bytes]) -> OSError | None:
         """Write `chunks`, one after another, as the checkpoint, atomically and durably; the
         OSError if it failed (the previous file is then intact)."""
-        tmp = self.path + ".tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb", buffering=WRITE_BUFFER) as f:
-                os.fchmod(fd, 0o600)
-                f.writelines(chunks)
-                f.flush()
-                os.fsync(fd)
-            os.replace(tmp, self.path)
-            self._fsync_dir()
+            write_atomic(self.path, chunks, 0o600)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass  # never created, or the directory is gone: nothing to clean
             if str(exc) != self.last_error:
                 log.error("cannot write the checkpoint %s: %s", self.path, exc)
             self.last_error = str(exc)
@@ -389,13 +377,6 @@ class Journal:
         self.writes += 1
         self.last_write = self.clock()
         return None
-
-    def _fsync_dir(self) -> None:
-        dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 _KIND_WORDS = {"truncated": "truncated", "corrupt": "corrupt", "version": "of an unknown "

@@ -1,0 +1,64 @@
+"""The names and defaults that more than one part of gpu-agent uses, each defined here once.
+
+Owns: every list of names the agent accepts (MIG, device-list and device-ID strategies,
+allocation policies, XID action classes) and every default value or path that is shared across
+layers (the option defaults of agent._config_options and the code defaults of the parts that
+take those options). Plain literals only: must not import anything, of `agent` or otherwise, so
+that every module, `agent._fast` included, may import it.
+"""
+
+from __future__ import annotations
+
+# -- the NVML library ---------------------------------------------------------------------------
+
+# The SONAME pynvml opens, and what the driver installs (looked up under the driver root).
+NVML_SONAME = "libnvidia-ml.so.1"
+
+# -- strategies (NVIDIA k8s-device-plugin's spellings) ------------------------------------------
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+DEFAULT_MIG_STRATEGY = "none"
+
+# How the allocated devices are passed to the container runtime (flags.plugin.deviceListStrategy).
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+DEFAULT_DEVICE_LIST_STRATEGIES = ("envvar",)
+
+# How devices are named to the container runtime, and how checkpointed allocations find their
+# GPUs after a restart (flags.plugin.deviceIDStrategy, agent.checkpointDeviceIDStrategy).
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+DEFAULT_DEVICE_ID_STRATEGY = "uuid"
+
+DEFAULT_CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+# Where nvidia-container-toolkit writes CDI specs; later directories take precedence.
+DEFAULT_CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+
+# -- allocation policies (GetPreferredAllocation, docs/allocation.md) ---------------------------
+
+BEST_EFFORT = "best-effort"
+PACKED = "packed"
+DISTRIBUTED = "distributed"
+ALLOCATION_POLICIES = (BEST_EFFORT, PACKED)
+REPLICA_ALLOCATION_POLICIES = (DISTRIBUTED, PACKED)
+DEFAULT_ALLOCATION_POLICY = BEST_EFFORT
+DEFAULT_REPLICA_ALLOCATION_POLICY = DISTRIBUTED
+
+# -- XID action classes (NVIDIA's XID catalog "immediate action" buckets), weakest first -------
+
+XID_IGNORE = "ignore"            # nothing to do (not even logged)
+XID_APPLICATION = "application"  # an application's error: the GPU is fine (RESTART_APP)
+XID_RESET = "reset"              # the GPU needs a reset (RESET_GPU)
+XID_REBOOT = "reboot"            # the node needs a reboot (RESTART_BM)
+XID_ACTIONS = (XID_IGNORE, XID_APPLICATION, XID_RESET, XID_REBOOT)
+
+# -- host paths and intervals -------------------------------------------------------------------
+
+DEFAULT_DRIVER_ROOT = "/"
+DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_STATE_DIR = "/var/lib/gpu-agent"
+# The operators' manual isolation file, where NVIDIA's tooling keeps it.
+DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
+# Matching allocations to pods through podresources, besides at start and after Allocate.
+DEFAULT_RECONCILE_INTERVAL_S = 60.0
+# A GPU withdrawn for a reset-class error stays free of critical events this long to return.
+DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
