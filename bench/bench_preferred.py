@@ -123,9 +123,9 @@ def managers(model, gpus, replicas_per_gpu: int = 1):
                    for g in gpus for r in range(replicas_per_gpu)]
     out = []
     for impl in (topology, _topology_py):
-        twin = TopologyModel(model.gpus, model.links, model.source)
-        twin.search = impl.PairScores(model.scores, [g.numa_node is None for g in model.gpus])
-        out.append(ResourceManager(RESOURCE_GPU, devices, ResponseOptions(), topology=twin))
+        searched_by = TopologyModel(model.gpus, model.links, model.source, topology_module=impl)
+        out.append(ResourceManager(RESOURCE_GPU, devices, ResponseOptions(),
+                                   topology=searched_by))
     return out[0], out[1], [d.id for d in devices]
 
 

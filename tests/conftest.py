@@ -1,21 +1,63 @@
-"""Shared fixtures: the simulated GPU node's environment and a way to run `gpu-agent`.
+"""Shared fixtures: the simulated GPU node's environment, a way to run `gpu-agent`, and the two
+implementations of agent._fast's hot paths.
 
 Tests talk to the simulated libnvidia-ml.so.1 (loaded in-process through pynvml, or by a child
-process) and to real processes over real unix sockets. Nothing here patches pynvml.
+process) and to real processes over real unix sockets. Nothing here patches pynvml. A test that
+takes `fast_impl` runs twice, as msgpack runs its suite: on the compiled modules ("cython") and
+on their pure-Python twins ("python").
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pynvml
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
+# The modules of each implementation of agent._fast: (events, topology).
+FAST_MODULES = {
+    "cython": ("agent._fast.events", "agent._fast.topology"),
+    "python": ("agent._fast._events_py", "agent._fast._topology_py"),
+}
+
+
+@dataclass(frozen=True)
+class FastImpl:
+    """One implementation of agent._fast's hot paths: its modules, imported directly (not through
+    the selector, so a compiled module that fails to import fails the test), for in-process
+    code that takes them (HealthMonitor's `events_module`, TopologyModel's `topology_module`),
+    and `pure_python` for a child `gpu-agent`: daemon_harness.Node(pure_python=True) gives it
+    GPU_AGENT_PURE_PYTHON=1, and its selector then picks the twins."""
+
+    name: str  # "cython" or "python"
+    events: ModuleType
+    topology: ModuleType
+
+    @property
+    def pure_python(self) -> bool:
+        return self.name == "python"
+
+
+@pytest.fixture(scope="module", params=list(FAST_MODULES))
+def fast_impl(request) -> FastImpl:
+    """The test runs on the compiled modules, then on the twins (ids `cython`, `python`)."""
+    events, topology = FAST_MODULES[request.param]
+    return FastImpl(request.param, importlib.import_module(events),
+                    importlib.import_module(topology))
+
+
+def wants_twins(request) -> bool:
+    """Whether the test asking for a fixture (a simulated node) runs on the twins: it takes
+    `fast_impl` and this is the "python" run. For fixtures that start `gpu-agent` children."""
+    return "fast_impl" in request.fixturenames and request.getfixturevalue("fast_impl").pure_python
 
 
 def gpu_agent_cmd(*args: str) -> list[str]:

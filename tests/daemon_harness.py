@@ -49,7 +49,8 @@ def clean_env(**extra: str) -> dict:
 class Node:
     """A simulated GPU node: kubelet directory, simulated NVML, state directory."""
 
-    def __init__(self, profile: str = "dgx1-v100", start_kubelet: bool = True):
+    def __init__(self, profile: str = "dgx1-v100", start_kubelet: bool = True,
+                 pure_python: bool = False):
         self.root = tempfile.mkdtemp(prefix="ga", dir="/tmp")
         self.kdir = os.path.join(self.root, "kd")
         self.ctl = os.path.join(self.root, "ctl")
@@ -57,6 +58,7 @@ class Node:
         os.makedirs(self.ctl)
         os.makedirs(self.kdir)
         self.profile = profile
+        self.pure_python = pure_python  # agents run agent._fast's twins (GPU_AGENT_PURE_PYTHON=1)
         self.kubelet_socket = os.path.join(self.kdir, "kubelet.sock")
         self.podresources_socket = os.path.join(self.kdir, "pod-resources", "kubelet.sock")
         self.plugin_socket = os.path.join(self.kdir, SOCKET)
@@ -75,8 +77,9 @@ class Node:
         self.kubelet.start()
 
     def env(self, **extra: str) -> dict:
+        twins = {"GPU_AGENT_PURE_PYTHON": "1"} if self.pure_python else {}
         return clean_env(**{"GPU_AGENT_SIM_PROFILE": self.profile,
-                            "GPU_AGENT_SIM_CONTROL": self.ctl, **extra})
+                            "GPU_AGENT_SIM_CONTROL": self.ctl, **twins, **extra})
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)

@@ -17,7 +17,7 @@ import pytest
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent.sim.profile import load_profile
-from tests.conftest import run_gpu_agent
+from tests.conftest import run_gpu_agent, wants_twins
 from tests.daemon_harness import GPU, SOCKET, Node, clean_env
 
 PROFILE = load_profile("dgx1-v100")
@@ -29,8 +29,10 @@ MINOR = {g["uuid"]: g["minor"] for g in GPUS}
 
 
 @pytest.fixture
-def node():
-    with Node() as n:
+def node(request):
+    """A node; its agents run agent._fast's twins in the "python" run of a test that takes
+    `fast_impl` (conftest), the compiled modules otherwise."""
+    with Node(pure_python=wants_twins(request)) as n:
         yield n
 
 
@@ -175,9 +177,10 @@ def test_pass_device_specs_under_the_dev_root(node):
 # -- GetPreferredAllocation -------------------------------------------------------------------
 
 
-def test_preferred_allocation_keeps_a_pod_on_one_numa_node(node):
+def test_preferred_allocation_keeps_a_pod_on_one_numa_node(node, fast_impl):
     agent = node.agent()
     agent.wait_registered()
+    agent.wait_log(f"implementation {fast_impl.name}")
     first = admit(node, "a", 4)
     second = admit(node, "b", 4)
     for alloc in (first, second):

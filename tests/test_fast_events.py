@@ -35,12 +35,10 @@ GPU = 2
 WAIT_MS = _types.MAX_WAIT_MS
 
 
-@pytest.fixture(
-    params=["agent._fast.events", "agent._fast._events_py"], ids=["cython", "python"]
-)
-def events(request):
-    """The module under test, imported directly (not through the selector)."""
-    return importlib.import_module(request.param)
+@pytest.fixture
+def events(fast_impl):
+    """The module under test: agent._fast.events, then its twin (conftest's `fast_impl`)."""
+    return fast_impl.events
 
 
 @dataclass

@@ -1,30 +1,29 @@
-"""agent._fast topology (groups by common-ancestor level), run against the compiled module and
-its pure-Python twin: hand-made PCIe layouts with known groups, input validation, and Hypothesis
-properties (the two agree; groups partition the GPUs and are exactly the connected components of
-"level <= threshold"; each tree level's groups are unions of the previous level's).
+"""agent._fast topology (the exact set search, `PairScores`), run against the compiled module and
+its pure-Python twin: hand-made layouts with known answers (NVSwitch islands, 64 GPUs, a PCIe
+tree searched by the tree DP, a ring searched by branch and bound), input validation, and
+Hypothesis properties (both implementations give the same mask and node count, and the
+brute-force optimum; the tree DP is optimal on tree-shaped scores with a few odd GPUs).
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-PIX, PXB, PHB, NODE, SYS = 10, 20, 30, 40, 50
-LEVELS = (0, PIX, PXB, PHB, NODE, SYS)
+from agent._fast._topology_checks import UNKNOWN_NUMA_WEIGHT
+
 ALL64 = (1 << 64) - 1
 
 
-@pytest.fixture(
-    scope="module",
-    params=["agent._fast.topology", "agent._fast._topology_py"],
-    ids=["cython", "python"],
-)
-def impl(request):
-    """The module under test, imported directly (not through the selector)."""
-    return importlib.import_module(request.param)
+@pytest.fixture(scope="module")
+def impl(fast_impl):
+    """The module under test: agent._fast.topology, then its twin (conftest's `fast_impl`)."""
+    return fast_impl.topology
 
 
 def compiled():
@@ -35,228 +34,13 @@ def twin():
     return importlib.import_module("agent._fast._topology_py")
 
 
-def matrix(n: int, level_of) -> list[list[int]]:
-    """n x n levels with 0 on the diagonal and level_of(i, j) elsewhere."""
-    return [[0 if i == j else level_of(i, j) for j in range(n)] for i in range(n)]
+def matrix(n: int, score_of) -> list[list[int]]:
+    """n x n scores with 0 on the diagonal and score_of(i, j) elsewhere."""
+    return [[0 if i == j else score_of(i, j) for j in range(n)] for i in range(n)]
 
 
 def bits(*indices: int) -> int:
     return sum(1 << i for i in indices)
-
-
-# Two PCIe switches (PIX pairs) under each of two host bridges (PHB), the bridges on two
-# sockets (SYS): the layout of an 8-GPU PCIe server.
-PCIE_8X_PIX_PHB_SYS = matrix(
-    8, lambda i, j: PIX if i // 2 == j // 2 else PHB if i // 4 == j // 4 else SYS
-)
-# Pairs behind one switch, quads behind a switch tree (PXB), everything on one NUMA node.
-PCIE_8X_PIX_PXB_NODE = matrix(
-    8, lambda i, j: PIX if i // 2 == j // 2 else PXB if i // 4 == j // 4 else NODE
-)
-# Interleaved pairs: 0-2 and 1-3 share switches; groups come out by lowest bit.
-INTERLEAVED = matrix(4, lambda i, j: PIX if i % 2 == j % 2 else SYS)
-# A chain: 0-1 and 1-2 are PIX, 0-2 only SYS; joining is transitive.
-CHAIN = [[0, PIX, SYS], [PIX, 0, PIX], [SYS, PIX, 0]]
-SYS_64 = matrix(64, lambda i, j: SYS)
-
-CASES = [
-    pytest.param(PCIE_8X_PIX_PHB_SYS, 0, [bits(i) for i in range(8)], id="pix-phb-sys@internal"),
-    pytest.param(PCIE_8X_PIX_PHB_SYS, PIX, [bits(0, 1), bits(2, 3), bits(4, 5), bits(6, 7)],
-                 id="pix-phb-sys@pix"),
-    pytest.param(PCIE_8X_PIX_PHB_SYS, PXB, [bits(0, 1), bits(2, 3), bits(4, 5), bits(6, 7)],
-                 id="pix-phb-sys@pxb"),
-    pytest.param(PCIE_8X_PIX_PHB_SYS, PHB, [bits(0, 1, 2, 3), bits(4, 5, 6, 7)],
-                 id="pix-phb-sys@phb"),
-    pytest.param(PCIE_8X_PIX_PHB_SYS, NODE, [bits(0, 1, 2, 3), bits(4, 5, 6, 7)],
-                 id="pix-phb-sys@node"),
-    pytest.param(PCIE_8X_PIX_PHB_SYS, SYS, [0xFF], id="pix-phb-sys@sys"),
-    pytest.param(PCIE_8X_PIX_PXB_NODE, PXB, [0x0F, 0xF0], id="pix-pxb-node@pxb"),
-    pytest.param(PCIE_8X_PIX_PXB_NODE, PHB, [0x0F, 0xF0], id="pix-pxb-node@phb"),
-    pytest.param(PCIE_8X_PIX_PXB_NODE, NODE, [0xFF], id="pix-pxb-node@node"),
-    pytest.param(INTERLEAVED, PIX, [bits(0, 2), bits(1, 3)], id="interleaved@pix"),
-    pytest.param(CHAIN, PIX, [bits(0, 1, 2)], id="chain@pix"),
-    pytest.param(CHAIN, 0, [bits(0), bits(1), bits(2)], id="chain@internal"),
-    pytest.param([[0]], 0, [1], id="one-gpu"),
-    pytest.param([], SYS, [], id="no-gpus"),
-    pytest.param(SYS_64, SYS, [ALL64], id="64-gpus@sys"),
-    pytest.param(SYS_64, NODE, [1 << i for i in range(64)], id="64-gpus@node"),
-    pytest.param(CHAIN, -7, [bits(0), bits(1), bits(2)], id="threshold-below-all"),
-    pytest.param(CHAIN, 2**80, [bits(0, 1, 2)], id="threshold-beyond-c-range"),
-]
-
-
-@pytest.mark.parametrize(("levels", "threshold", "expected"), CASES)
-def test_groups_at_level_on_known_layouts(impl, levels, threshold, expected):
-    assert impl.groups_at_level(levels, threshold) == expected
-
-
-def test_build_tree_on_pcie_server(impl):
-    assert impl.build_tree(PCIE_8X_PIX_PHB_SYS) == [
-        (0, [bits(i) for i in range(8)]),
-        (PIX, [bits(0, 1), bits(2, 3), bits(4, 5), bits(6, 7)]),
-        (PHB, [bits(0, 1, 2, 3), bits(4, 5, 6, 7)]),
-        (SYS, [0xFF]),
-    ]
-
-
-def test_build_tree_of_64_gpus_uses_bit_63(impl):
-    assert impl.build_tree(SYS_64) == [(0, [1 << i for i in range(64)]), (SYS, [ALL64])]
-
-
-@pytest.mark.parametrize(("levels", "expected"), [
-    pytest.param([], [], id="no-gpus"),
-    pytest.param([[0]], [(0, [1])], id="one-gpu"),
-    pytest.param([[5]], [(5, [1])], id="diagonal-counts-as-a-level"),
-])
-def test_build_tree_small(impl, levels, expected):
-    assert impl.build_tree(levels) == expected
-
-
-def test_accepts_tuples_and_any_sequence(impl):
-    as_tuples = tuple(tuple(row) for row in PCIE_8X_PIX_PHB_SYS)
-    assert impl.groups_at_level(as_tuples, PHB) == [0x0F, 0xF0]
-    assert impl.build_tree(as_tuples) == impl.build_tree(PCIE_8X_PIX_PHB_SYS)
-
-
-@pytest.mark.parametrize(("levels", "error", "match"), [
-    pytest.param(matrix(65, lambda i, j: SYS), ValueError, "65 GPUs", id="65-gpus"),
-    pytest.param([[0] * 70] * 65, ValueError, "65 GPUs", id="65-gpus-not-square"),
-    pytest.param([[0, PIX], [PIX]], ValueError, "row 1 has 1 entries, expected 2", id="ragged"),
-    pytest.param([[0, PIX, PIX], [PIX, 0, PIX]], ValueError, "row 0 has 3", id="not-square"),
-    pytest.param([[0, PIX], [SYS, 0]], ValueError, r"levels\[0\]\[1\] = 10 but levels\[1\]\[0\] = 50",
-                 id="asymmetric"),
-    pytest.param([[0, -1], [-1, 0]], ValueError, "not a topology level", id="negative"),
-    pytest.param([[0, 2**31], [2**31, 0]], ValueError, "not a topology level", id="too-large"),
-    pytest.param([[0, 10.0], [10.0, 0]], TypeError, "got float", id="float"),
-    pytest.param([[0, "PIX"], ["PIX", 0]], TypeError, "got str", id="string"),
-    pytest.param([[0, None], [None, 0]], TypeError, "got NoneType", id="none"),
-])
-def test_rejects_malformed_levels(impl, levels, error, match):
-    with pytest.raises(error, match=match):
-        impl.groups_at_level(levels, SYS)
-    with pytest.raises(error, match=match):
-        impl.build_tree(levels)
-
-
-def test_rejects_non_integer_threshold(impl):
-    with pytest.raises(TypeError):
-        impl.groups_at_level(CHAIN, 10.5)
-
-
-# --- properties -------------------------------------------------------------------------------
-
-NVML_LEVEL = st.sampled_from(LEVELS)
-
-
-@st.composite
-def symmetric_levels(draw, max_n: int = 12, values=NVML_LEVEL):
-    """A random symmetric n x n matrix of levels, with a random diagonal too."""
-    n = draw(st.integers(0, max_n))
-    levels = [[0] * n for _ in range(n)]
-    for i in range(n):
-        levels[i][i] = draw(values)
-        for j in range(i + 1, n):
-            levels[i][j] = levels[j][i] = draw(values)
-    return levels
-
-
-# Levels as NVML gives them, plus arbitrary ones so ties and odd orders are covered too.
-ANY_LEVEL = st.one_of(st.sampled_from(LEVELS), st.integers(0, 2**31 - 1))
-THRESHOLDS = st.one_of(st.sampled_from(LEVELS), st.integers(-5, 60))
-
-
-def components(levels: list[list[int]], threshold: int) -> list[int]:
-    """Reference answer by union-find, independent of both implementations."""
-    n = len(levels)
-    parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for i in range(n):
-        for j in range(n):
-            if i != j and levels[i][j] <= threshold:
-                parent[find(i)] = find(j)
-    masks: dict[int, int] = {}
-    for i in range(n):
-        masks[find(i)] = masks.get(find(i), 0) | (1 << i)
-    return sorted(masks.values(), key=lambda m: m & -m)
-
-
-def assert_partition(groups: list[int], n: int) -> None:
-    assert all(g > 0 for g in groups), "no empty groups"
-    union = 0
-    for g in groups:
-        assert union & g == 0, "groups must be disjoint"
-        union |= g
-    assert union == (1 << n) - 1, "groups must cover every GPU"
-    lows = [g & -g for g in groups]
-    assert lows == sorted(lows), "groups sorted by lowest set bit"
-
-
-@settings(max_examples=300, deadline=None)
-@given(levels=symmetric_levels(values=ANY_LEVEL), threshold=THRESHOLDS)
-def test_compiled_and_twin_agree(levels, threshold):
-    assert compiled().groups_at_level(levels, threshold) == twin().groups_at_level(levels, threshold)
-    assert compiled().build_tree(levels) == twin().build_tree(levels)
-
-
-@settings(max_examples=25, deadline=None)
-@given(levels=symmetric_levels(max_n=64), threshold=st.sampled_from(LEVELS))
-def test_compiled_and_twin_agree_up_to_64_gpus(levels, threshold):
-    assert compiled().groups_at_level(levels, threshold) == twin().groups_at_level(levels, threshold)
-    assert compiled().build_tree(levels) == twin().build_tree(levels)
-
-
-@settings(max_examples=200, deadline=None)
-@given(levels=symmetric_levels(), threshold=THRESHOLDS)
-def test_groups_are_the_components_of_level_at_most_threshold(impl, levels, threshold):
-    n = len(levels)
-    groups = impl.groups_at_level(levels, threshold)
-    assert_partition(groups, n)
-    group_of = {i: g for g in groups for i in range(n) if g >> i & 1}
-    for i in range(n):
-        for j in range(n):
-            if levels[i][j] <= threshold:
-                assert group_of[i] == group_of[j], f"GPUs {i}, {j} at level {levels[i][j]}"
-    assert groups == components(levels, threshold)
-
-
-@settings(max_examples=200, deadline=None)
-@given(levels=symmetric_levels(values=ANY_LEVEL))
-def test_tree_levels_refine_upwards(impl, levels):
-    n = len(levels)
-    tree = impl.build_tree(levels)
-    assert [level for level, _ in tree] == sorted({v for row in levels for v in row})
-    previous = [1 << i for i in range(n)]  # below the first level: each GPU on its own
-    for level, groups in tree:
-        assert groups == impl.groups_at_level(levels, level)
-        assert_partition(groups, n)
-        for child in previous:
-            assert sum(1 for g in groups if child & g == child) == 1, (
-                f"level {level}: group {child:#x} of the level below is not inside one group"
-            )
-        previous = groups
-    if n:
-        assert tree[-1][1] == [(1 << n) - 1], "at the highest level every GPU is joined"
-
-
-@settings(max_examples=20, deadline=None)
-@given(levels=symmetric_levels(max_n=64), threshold=st.sampled_from(LEVELS))
-def test_components_up_to_64_gpus(impl, levels, threshold):
-    groups = impl.groups_at_level(levels, threshold)
-    assert_partition(groups, len(levels))
-    assert groups == components(levels, threshold)
-
-
-# -- PairScores: the exact set search -------------------------------------------------------------
-
-import itertools  # noqa: E402
-
-from agent._fast._topology_checks import UNKNOWN_NUMA_WEIGHT  # noqa: E402
 
 
 def brute_force(scores, unknown, available, must, k):
@@ -309,7 +93,7 @@ def test_property_search_is_optimal_and_both_implementations_agree(case):
             mask = got[0]
             assert bin(mask).count("1") == k and mask & must == must and mask & ~available == 0
         assert fast.best_set(available, must, k) == want_mask
-        assert fast.set_score(want_mask) == want_score
+        assert fast.set_score(want_mask) == slow.set_score(want_mask) == want_score
 
 
 def test_search_on_an_nvswitch_pair_of_islands(impl):
@@ -335,6 +119,8 @@ def test_search_of_64_gpus_uses_bit_63(impl):
     assert ps.best_set(ALL64, 0, 2) == bits(0, 1)
     assert ps.best_set(bits(62, 63, 5), 0, 2) == bits(62, 63)
     assert ps.best_set(ALL64, 1 << 63, 2) == bits(62, 63)
+    assert ps.set_score(ALL64) == 32 * 50 + (64 * 63 // 2 - 32) * 10
+    assert ps.set_score(bits(0, 1, 63)) == 50 + 10 + 10
 
 
 @pytest.mark.parametrize("args, error, message", [
@@ -368,8 +154,6 @@ def test_search_rejects_bad_requests_alike(impl, request_args, message):
 
 
 # -- the tree DP (tree-shaped scores, up to a few odd GPUs) ---------------------------------------
-
-import random  # noqa: E402
 
 
 @st.composite

@@ -1,6 +1,8 @@
 """Health end to end: `gpu-agent run` as a subprocess on the simulated NVML and the simulated
-kubelet, with the compiled event loop and with its pure-Python twin (GPU_AGENT_PURE_PYTHON=1).
-What kubelet sees is read from the snapshots the simulated kubelet received over ListAndWatch.
+kubelet, with the compiled event loop and with its pure-Python twin (GPU_AGENT_PURE_PYTHON=1;
+the tests that take conftest's `fast_impl`: all but the isolation file's, which no NVML event
+drives). Each agent's log must name the implementation it runs. What kubelet sees is read
+from the snapshots the simulated kubelet received over ListAndWatch.
 
 Covers XID 79 → that GPU Unhealthy in the next snapshot and an ignored XID changing nothing,
 `gpu-agent status` showing it, an event naming no GPU, a lost GPU and its return, a GPU without
@@ -19,30 +21,27 @@ import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.conftest import run_gpu_agent
+from tests.conftest import run_gpu_agent, wants_twins
 from tests.daemon_harness import GPU, Node, clean_env
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
 
-@pytest.fixture(params=["cython", "python"])
-def impl(request) -> dict:
-    """Extra environment for the agent: which event-loop implementation it runs."""
-    return {"GPU_AGENT_PURE_PYTHON": "1"} if request.param == "python" else {}
-
-
 @pytest.fixture
-def node(tmp_path):
-    with Node() as n:
+def node(request, tmp_path):
+    """A node whose agents run the compiled event loop, or its twin when the test takes
+    `fast_impl` (conftest) and this is its "python" run."""
+    with Node(pure_python=wants_twins(request)) as n:
         n.boot_file = str(tmp_path / "boot_id")
         Path(n.boot_file).write_text("boot-a\n")
         yield n
 
 
-def start(node: Node, impl: dict, *args: str, **env: str):
+def start(node: Node, *args: str, **env: str):
     agent = node.agent("--recovery-quiet-period", "60s", *args,
-                       env=node.env(GPU_AGENT_BOOT_ID_FILE=node.boot_file, **impl, **env))
+                       env=node.env(GPU_AGENT_BOOT_ID_FILE=node.boot_file, **env))
     res = agent.wait_registered()
+    agent.wait_log(f"implementation {'python' if node.pure_python else 'cython'}")
     return agent, res.snapshot_seq
 
 
@@ -71,8 +70,8 @@ def status(node: Node) -> str:
     return run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
 
 
-def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(node, impl):
-    agent, seq = start(node, impl)
+def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(node, fast_impl):
+    agent, seq = start(node)
     control.inject_xid(node.ctl, 3, 13)
     control.inject_xid(node.ctl, 3, 79)
     snap = next_snapshot(node, agent, seq)
@@ -89,15 +88,15 @@ def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(
     assert f"GPU 3 {UUIDS[3]} NUMA 0: unhealthy (XID 79" in out
 
 
-def test_event_naming_no_gpu_withdraws_every_device_in_one_snapshot(node, impl):
-    agent, seq = start(node, impl)
+def test_event_naming_no_gpu_withdraws_every_device_in_one_snapshot(node, fast_impl):
+    agent, seq = start(node)
     control.inject_xid(node.ctl, None, 48)
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == set(UUIDS)
 
 
-def test_lost_gpu_is_withdrawn_and_returns_when_restored(node, impl):
-    agent, seq = start(node, impl, "--recovery-quiet-period", "0.5s")
+def test_lost_gpu_is_withdrawn_and_returns_when_restored(node, fast_impl):
+    agent, seq = start(node, "--recovery-quiet-period", "0.5s")
     control.lose(node.ctl, 2)
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == {UUIDS[2]}
@@ -110,8 +109,8 @@ def test_lost_gpu_is_withdrawn_and_returns_when_restored(node, impl):
     assert f"GPU 2 {UUIDS[2]}: healthy again (reset-class fault cleared" in agent.log
 
 
-def test_gpu_whose_events_are_not_supported_stays_healthy_with_one_warning(node, impl):
-    agent, seq = start(node, impl, GPU_AGENT_SIM_FAULTS="events_unsupported=3")
+def test_gpu_whose_events_are_not_supported_stays_healthy_with_one_warning(node, fast_impl):
+    agent, seq = start(node, GPU_AGENT_SIM_FAULTS="events_unsupported=3")
     control.inject_xid(node.ctl, 4, 48)
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == {UUIDS[4]}
@@ -119,16 +118,16 @@ def test_gpu_whose_events_are_not_supported_stays_healthy_with_one_warning(node,
     assert "GPU 3: no NVML events" in status(node)
 
 
-def test_disable_healthchecks_from_the_environment(node, impl):
-    agent, seq = start(node, impl, DP_DISABLE_HEALTHCHECKS="48", DP_ENABLE_HEALTHCHECKS="31")
+def test_disable_healthchecks_from_the_environment(node, fast_impl):
+    agent, seq = start(node, DP_DISABLE_HEALTHCHECKS="48", DP_ENABLE_HEALTHCHECKS="31")
     control.inject_xid(node.ctl, 1, 48)
     control.inject_xid(node.ctl, 2, 31)
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == {UUIDS[2]}
 
 
-def test_reset_class_error_recovers_after_the_quiet_period(node, impl):
-    agent, seq = start(node, impl, "--recovery-quiet-period", "0.5s")
+def test_reset_class_error_recovers_after_the_quiet_period(node, fast_impl):
+    agent, seq = start(node, "--recovery-quiet-period", "0.5s")
     control.inject_xid(node.ctl, 6, 48)
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == {UUIDS[6]}
@@ -137,18 +136,18 @@ def test_reset_class_error_recovers_after_the_quiet_period(node, impl):
     assert "reset-class fault cleared" in status(node)
 
 
-def test_reboot_class_error_survives_restarts_until_the_boot_id_changes(node, impl):
-    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+def test_reboot_class_error_survives_restarts_until_the_boot_id_changes(node, fast_impl):
+    agent, seq = start(node, "--recovery-quiet-period", "0s")
     control.inject_xid(node.ctl, 5, 79)
     assert unhealthy(next_snapshot(node, agent, seq)) == {UUIDS[5]}
     assert agent.stop() == 0
     # same boot: the restarted agent's first snapshot already withholds GPU 5
-    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+    agent, seq = start(node, "--recovery-quiet-period", "0s")
     assert unhealthy(first_snapshot(node)) == {UUIDS[5]}
     assert agent.stop() == 0
     # a reboot: the boot ID changed, the fault is cleared
     Path(node.boot_file).write_text("boot-b\n")
-    agent, seq = start(node, impl, "--recovery-quiet-period", "0s")
+    agent, seq = start(node, "--recovery-quiet-period", "0s")
     assert unhealthy(first_snapshot(node)) == set()
     assert f"GPU 5 {UUIDS[5]}: healthy again: reboot fault recorded before the last reboot " \
            f"is cleared (boot ID changed)" in agent.log
@@ -163,7 +162,7 @@ def write_isolation(node: Node, text: str) -> None:
 
 
 def test_isolation_file_added_edited_malformed_and_removed(node):
-    agent, seq = start(node, {})
+    agent, seq = start(node)
     write_isolation(node, json.dumps({"index": [1]}))
     wait_unhealthy(node, agent, {UUIDS[1]}, "GPU 1 isolated")
     Path(node.isolation).write_text(json.dumps({"index": [], "uuid": [UUIDS[6], UUIDS[7]]}))

@@ -10,7 +10,6 @@ the resource managers); every wait on it is bounded.
 
 from __future__ import annotations
 
-import importlib
 import threading
 
 import pytest
@@ -25,9 +24,10 @@ from agent.sim.profile import load_profile
 WAIT = 20.0
 
 
-@pytest.fixture(params=["agent._fast.events", "agent._fast._events_py"], ids=["cython", "python"])
-def events(request):
-    return importlib.import_module(request.param)
+@pytest.fixture
+def events(fast_impl):
+    """The event-set module the monitor runs on: compiled, then the twin (conftest)."""
+    return fast_impl.events
 
 
 class Recorder:

@@ -8,9 +8,7 @@ simulated kubelet). No NVML here: devices are built from Gpu records.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 import threading
 
 import grpc
@@ -28,7 +26,9 @@ from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import RESOURCE_GPU, devices_by_resource, full_gpu_devices, resource_name_for
 from agent.rm.manager import PreferredRequest, ResourceManager
 from agent.rm.preferred import preferred_allocation
+from agent.rm.topology import TopologyModel
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
+from tests.test_sim_kubelet import short_tmpdir_fixture
 
 
 def make_gpus(numa: list[int | None], name: str = "Tesla V100-SXM2-16GB") -> list[Gpu]:
@@ -42,35 +42,42 @@ KNOWN = {d.id: d for d in DGX}
 IDS = [d.id for d in DGX]
 
 
-def pick(available, size, must=()):
-    return preferred_allocation(RESOURCE_GPU, available, must, size, KNOWN)
+def pick(available, size, must=(), impl=None):
+    """The preferred allocation on DGX, searched by `impl` (a conftest FastImpl; None: live)."""
+    return preferred_allocation(RESOURCE_GPU, available, must, size, KNOWN,
+                                topology_module=impl and impl.topology)
 
 
-# -- the preferred-allocation policy ------------------------------------------------------------
+# -- the preferred-allocation policy (with the compiled search, then its twin) -----------------
 
 
-def test_a_pod_that_fits_one_numa_node_stays_on_it():
-    assert pick(IDS, 4) == IDS[:4]
-    assert pick(IDS[1:], 4) == IDS[4:]  # node 0 has only 3 left: node 1 fits whole
-    assert pick(IDS[1:], 2) == IDS[1:3]  # the tightest node that fits (3 free < 4 free)
+def test_a_pod_that_fits_one_numa_node_stays_on_it(fast_impl):
+    assert pick(IDS, 4, impl=fast_impl) == IDS[:4]
+    # node 0 has only 3 left: node 1 fits whole
+    assert pick(IDS[1:], 4, impl=fast_impl) == IDS[4:]
+    # the tightest node that fits (3 free < 4 free)
+    assert pick(IDS[1:], 2, impl=fast_impl) == IDS[1:3]
 
 
-def test_must_include_first_then_its_node():
-    assert pick(IDS, 3, must=[IDS[6]]) == [IDS[6], IDS[4], IDS[5]]
-    assert pick(IDS, 2, must=[IDS[7], IDS[0]]) == [IDS[7], IDS[0]]
+def test_must_include_first_then_its_node(fast_impl):
+    assert pick(IDS, 3, must=[IDS[6]], impl=fast_impl) == [IDS[6], IDS[4], IDS[5]]
+    assert pick(IDS, 2, must=[IDS[7], IDS[0]], impl=fast_impl) == [IDS[7], IDS[0]]
 
 
-def test_spreads_over_as_few_nodes_as_it_can():
+def test_spreads_over_as_few_nodes_as_it_can(fast_impl):
     available = [IDS[0], IDS[4], IDS[5], IDS[6]]
-    assert pick(available, 4) == [IDS[4], IDS[5], IDS[6], IDS[0]]
+    assert pick(available, 4, impl=fast_impl) == [IDS[4], IDS[5], IDS[6], IDS[0]]
 
 
-def test_devices_without_numa_come_after_real_nodes():
+def test_devices_without_numa_come_after_real_nodes(fast_impl):
     devices = full_gpu_devices(make_gpus([None, 1, 1]))
     known = {d.id: d for d in devices}
     ids = [d.id for d in devices]
-    assert preferred_allocation(RESOURCE_GPU, ids, [], 1, known) == [ids[1]]
-    assert preferred_allocation(RESOURCE_GPU, ids, [], 3, known) == [ids[1], ids[2], ids[0]]
+    impl = fast_impl.topology
+    assert preferred_allocation(RESOURCE_GPU, ids, [], 1, known, topology_module=impl) == \
+        [ids[1]]
+    assert preferred_allocation(RESOURCE_GPU, ids, [], 3, known, topology_module=impl) == \
+        [ids[1], ids[2], ids[0]]
 
 
 @pytest.mark.parametrize("available, must, size, problem", [
@@ -102,15 +109,17 @@ def requests(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(requests(), st.randoms(use_true_random=False))
-def test_property_a_correct_deterministic_pick(case, rnd):
+def test_property_a_correct_deterministic_pick(fast_impl, case, rnd):
     known, available, must, size = case
-    got = preferred_allocation(RESOURCE_GPU, available, must, size, known)
+    impl = fast_impl.topology
+    got = preferred_allocation(RESOURCE_GPU, available, must, size, known, topology_module=impl)
     assert len(got) == size and len(set(got)) == size
     assert set(got) <= set(available)
     assert got[:len(must)] == must
     shuffled = list(available)
     rnd.shuffle(shuffled)
-    assert preferred_allocation(RESOURCE_GPU, shuffled, must, size, known) == got
+    assert preferred_allocation(RESOURCE_GPU, shuffled, must, size, known,
+                                topology_module=impl) == got
     if not must:
         free = {}
         for i in available:
@@ -171,8 +180,9 @@ def test_manager_versions_health_and_waits():
     assert m.wait_for_change(changed.version, 10).closed
 
 
-def test_manager_answers_allocate_and_preferred_in_request_order():
-    m = ResourceManager(RESOURCE_GPU, DGX, ResponseOptions(id_strategy="index"))
+def test_manager_answers_allocate_and_preferred_in_request_order(fast_impl):
+    m = ResourceManager(RESOURCE_GPU, DGX, ResponseOptions(id_strategy="index"),
+                        topology=TopologyModel.numa_only(DGX, topology_module=fast_impl.topology))
     responses = m.allocate([[IDS[2]], [IDS[5], IDS[4]]])
     assert [r.envs["NVIDIA_VISIBLE_DEVICES"] for r in responses] == ["2", "5,4"]
     with pytest.raises(RequestError, match="duplicate device"):
@@ -184,11 +194,7 @@ def test_manager_answers_allocate_and_preferred_in_request_order():
 # -- PluginServer over a real socket --------------------------------------------------------------
 
 
-@pytest.fixture
-def sockdir():
-    path = tempfile.mkdtemp(prefix="gp", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+sockdir = short_tmpdir_fixture("gp", "sockdir")
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The allocation policies of agent.rm.preferred over a TopologyModel: best-effort against
 packed on NVSwitch islands, and shared replicas (several device IDs on one GPU, as
 time-slicing advertises them) mapped onto their physical GPUs, distributed or packed. The
-links are built as discovery returns them (Link records by GPU index); no NVML here.
+links are built as discovery returns them (Link records by GPU index); no NVML here. Every test
+runs with the compiled search and with its twin (conftest's `fast_impl`).
 """
 
 from __future__ import annotations
@@ -31,33 +32,40 @@ ISLAND_LINKS = {
     (a, b): (Link(40, 12 if a < 4 else 18, via_switch=True) if a // 4 == b // 4 else Link(50))
     for a in range(8) for b in range(8) if a != b
 }
-MODEL = TopologyModel.from_links(ISLANDS, ISLAND_LINKS)
 DEVICES = full_gpu_devices(ISLANDS)
 IDS = [d.id for d in DEVICES]
 
 
-def pick(available, size, policy, must=()):
-    manager = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions(), topology=MODEL,
+@pytest.fixture
+def model(fast_impl) -> TopologyModel:
+    """The islands' model, searched by the compiled module, then by the twin."""
+    return TopologyModel.from_links(ISLANDS, ISLAND_LINKS, topology_module=fast_impl.topology)
+
+
+def pick(model, available, size, policy, must=()):
+    manager = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions(), topology=model,
                               allocation_policy=policy)
     got = manager.preferred([PreferredRequest([IDS[i] for i in available],
                                               [IDS[i] for i in must], size)])[0]
     return [IDS.index(i) for i in got]
 
 
-def test_best_effort_takes_the_best_links_packed_the_broken_island():
+def test_best_effort_takes_the_best_links_packed_the_broken_island(model, fast_impl):
+    assert type(model.search).__module__ == fast_impl.topology.__name__
     free = [0, 1, 4, 5, 6, 7]
-    assert sorted(pick(free, 2, "best-effort")) == [4, 5]  # NV18 beats NV12
-    assert sorted(pick(free, 2, "packed")) == [0, 1]  # island 1 stays whole for a 4-GPU pod
-    assert sorted(pick(free, 4, "packed")) == [4, 5, 6, 7]  # only island 1 fits
+    assert sorted(pick(model, free, 2, "best-effort")) == [4, 5]  # NV18 beats NV12
+    # island 1 stays whole for a 4-GPU pod
+    assert sorted(pick(model, free, 2, "packed")) == [0, 1]
+    assert sorted(pick(model, free, 4, "packed")) == [4, 5, 6, 7]  # only island 1 fits
     # no group holds GPU 0 and 2 more: the best set overall (the NV18 pair beats NV12 + SYS)
-    assert sorted(pick(free, 3, "packed", must=[0])) == [0, 4, 5]
+    assert sorted(pick(model, free, 3, "packed", must=[0])) == [0, 4, 5]
 
 
-def test_the_model_scores_pairs_as_documented():
-    assert MODEL.scores[0][1] == 100 * 12 + 20 + 5  # NV12, NODE, one NUMA node
-    assert MODEL.scores[4][5] == 100 * 18 + 20 + 5
-    assert MODEL.scores[0][4] == 10  # SYS, two NUMA nodes
-    assert MODEL.describe([0, 1, 4]) == "GPU0-GPU1 NV12, GPU0-GPU4 SYS, GPU1-GPU4 SYS"
+def test_the_model_scores_pairs_as_documented(model):
+    assert model.scores[0][1] == 100 * 12 + 20 + 5  # NV12, NODE, one NUMA node
+    assert model.scores[4][5] == 100 * 18 + 20 + 5
+    assert model.scores[0][4] == 10  # SYS, two NUMA nodes
+    assert model.describe([0, 1, 4]) == "GPU0-GPU1 NV12, GPU0-GPU4 SYS, GPU1-GPU4 SYS"
 
 
 def replicas(gpus: list[Gpu], per_gpu: int) -> list[Device]:
@@ -72,35 +80,36 @@ KNOWN = {d.id: d for d in SHARED}
 GPU_OF = {d.id: d.gpu_index for d in SHARED}
 
 
-def shared_pick(available, size, policy, must=()):
-    return preferred_allocation(RESOURCE_GPU, available, must, size, KNOWN, model=MODEL,
+def shared_pick(model, available, size, policy, must=()):
+    return preferred_allocation(RESOURCE_GPU, available, must, size, KNOWN, model=model,
                                 replica_policy=policy)
 
 
-def test_distributed_replicas_spread_over_the_best_linked_gpus():
+def test_distributed_replicas_spread_over_the_best_linked_gpus(model):
     ids = [d.id for d in SHARED]
-    got = shared_pick(ids, 3, "distributed")
+    got = shared_pick(model, ids, 3, "distributed")
     assert len({GPU_OF[i] for i in got}) == 3
     assert {GPU_OF[i] for i in got} <= {4, 5, 6, 7}  # the NV18 island
-    many = shared_pick(ids, 12, "distributed")  # more than the 8 GPUs: every GPU, evenly
+    many = shared_pick(model, ids, 12, "distributed")  # more than the 8 GPUs: every GPU, evenly
     assert sorted(Counter(GPU_OF[i] for i in many).values()) == [1] * 4 + [2] * 4
 
 
-def test_packed_replicas_fill_a_gpu_in_use_first():
+def test_packed_replicas_fill_a_gpu_in_use_first(model):
     # GPU 2 has only one replica left (three taken), GPU 5 two: packed fills GPU 2 first
     ids = [d.id for d in SHARED if not (d.gpu_index == 2 and d.id[-1] in "012")
            and not (d.gpu_index == 5 and d.id[-1] in "01")]
-    assert [GPU_OF[i] for i in shared_pick(ids, 1, "packed")] == [2]
+    assert [GPU_OF[i] for i in shared_pick(model, ids, 1, "packed")] == [2]
     # then the GPU best linked to GPU 2 (its island), before the fuller GPU 5 across sockets
-    assert [GPU_OF[i] for i in shared_pick(ids, 3, "packed")] == [2, 0, 0]
-    assert [GPU_OF[i] for i in shared_pick(ids, 2, "packed", must=[ids[-1]])][1] == 7
+    assert [GPU_OF[i] for i in shared_pick(model, ids, 3, "packed")] == [2, 0, 0]
+    assert [GPU_OF[i] for i in shared_pick(model, ids, 2, "packed", must=[ids[-1]])][1] == 7
     # a request that starts on GPU 6 stays there while it has replicas
     must = [d.id for d in SHARED if d.gpu_index == 6][:1]
-    got = shared_pick(ids, 4, "packed", must=must)
+    got = shared_pick(model, ids, 4, "packed", must=must)
     assert got[0] == must[0] and [GPU_OF[i] for i in got] == [6, 6, 6, 6]
 
 
 @pytest.mark.parametrize("policy", ["distributed", "packed"])
-def test_replica_answers_do_not_depend_on_the_request_order(policy):
+def test_replica_answers_do_not_depend_on_the_request_order(model, policy):
     ids = [d.id for d in SHARED][::3]
-    assert shared_pick(ids, 5, policy) == shared_pick(list(reversed(ids)), 5, policy)
+    assert shared_pick(model, ids, 5, policy) == shared_pick(model, list(reversed(ids)), 5,
+                                                             policy)

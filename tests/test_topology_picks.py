@@ -7,7 +7,9 @@ against the file's own cells (this file reads them with test_sim_topologies' sma
 through the agent): the 2-GPU pick is a pair with the best cell of the node, the DGX-1V 4-GPU
 pick is a fully NVLinked quad, a PCIe box's pair shares a switch, the pick stays on one NUMA
 node when one holds it, and every pick scores the brute-force optimum. One daemon test checks
-that GetPreferredAllocation keeps answering after a GPU falls off the bus.
+that GetPreferredAllocation keeps answering after a GPU falls off the bus. Every test runs with
+the compiled search and with its twin (conftest's `fast_impl`; the daemon's through
+GPU_AGENT_PURE_PYTHON=1).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def cell_rank(cell: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """{file stem: (TopologyModel, GPUs)} read through the simulated NVML, one init each."""
+def discovered(tmp_path_factory):
+    """{file stem: (GPUs, links)} read through the simulated NVML, one init each."""
     out = {}
     root = tmp_path_factory.mktemp("topo")
     mp = pytest.MonkeyPatch()
@@ -61,10 +63,17 @@ def models(tmp_path_factory):
                 links = discovery.read_links(gpus)
             finally:
                 drain_nvml()
-            out[topo.stem] = (TopologyModel.from_links(gpus, links), gpus)
+            out[topo.stem] = (gpus, links)
     finally:
         mp.undo()
     return out
+
+
+@pytest.fixture(scope="module")
+def models(discovered, fast_impl):
+    """{file stem: (TopologyModel, GPUs)}, searched by the compiled module, then by the twin."""
+    return {stem: (TopologyModel.from_links(gpus, links, topology_module=fast_impl.topology), gpus)
+            for stem, (gpus, links) in discovered.items()}
 
 
 def pick(model: TopologyModel, gpus, size: int, must=(), available=None,
@@ -153,11 +162,12 @@ def test_packed_fills_a_broken_island_before_a_whole_one(models):
         assert pick(model, gpus, 1, available=rest, policy=policy) == [partner]
 
 
-def test_preferred_allocation_survives_a_gpu_falling_off_the_bus():
+def test_preferred_allocation_survives_a_gpu_falling_off_the_bus(fast_impl):
     """The model is built at start: a lost GPU changes no answer and fails no call."""
-    with Node("pcie-8gpu") as node:
+    with Node("pcie-8gpu", pure_python=fast_impl.pure_python) as node:
         agent = node.agent()
         agent.wait_registered()
+        agent.wait_log(f"implementation {fast_impl.name}")
         uuids = [d.id for d in node.client.state().resource(RESOURCE_GPU).devices]
         request = dp.PreferredAllocationRequest(container_requests=[
             dp.ContainerPreferredAllocationRequest(available_deviceIDs=uuids,

@@ -2,7 +2,10 @@
 
 Owns: the choice, made once at import. `events_impl` and `topology_impl` are the live modules,
 `IMPLEMENTATION` says which kind ("cython" or "python"). GPU_AGENT_PURE_PYTHON=1 forces the
-twins. Must not import anything of `agent` but `errors` (the twins and the .pyx files alike).
+twins. Must not import anything of `agent` but `errors` and `constants` (the twins and the .pyx
+files alike; tests/test_boundaries.py checks both). Tests hand either implementation's modules
+to the code that takes them (HealthMonitor's `events_module`, TopologyModel's
+`topology_module`) and run under both.
 """
 
 import logging

@@ -1,8 +1,9 @@
 """Plain-Python types and input checks shared by the compiled hot paths and their twins.
 
 Owns: the `Event` record both event loops return, the NVML constants both use (event types,
-topology levels, the wait cap), and the argument checks whose wording must be identical in both
-implementations. Must not import anything of `agent` but `errors`, nor do any NVML calls.
+the wait cap), the GPU limit of the topology masks, and the argument checks whose wording must
+be identical in both implementations. Must not import anything of `agent` but `errors`, nor do
+any NVML calls.
 """
 
 from __future__ import annotations
@@ -21,20 +22,10 @@ EVENT_CLOCK = 0x10
 EVENT_POWER_SOURCE = 0x80
 EVENT_MIG_CONFIG_CHANGE = 0x100
 
-# NVML topology levels (nvmlGpuTopologyLevel_t): the closest common ancestor of two GPUs.
-TOPOLOGY_INTERNAL = 0
-TOPOLOGY_SINGLE = 10      # PIX: one PCIe switch
-TOPOLOGY_MULTIPLE = 20    # PXB: several PCIe switches, no host bridge
-TOPOLOGY_HOSTBRIDGE = 30  # PHB: the same host bridge
-TOPOLOGY_NODE = 40        # the same NUMA node
-TOPOLOGY_SYSTEM = 50      # SYS: across NUMA nodes (SMP interconnect)
-
 # No single wait blocks longer than this: the caller gets control back to check its stop flag.
 MAX_WAIT_MS = 5000
-# Topology groups are uint64_t bitmasks, one bit per GPU index.
+# GPU sets of the topology search are uint64_t bitmasks, one bit per GPU index.
 MAX_GPUS = 64
-# Largest topology level accepted (a C int); thresholds beyond the range are clamped into it.
-MAX_LEVEL = 2**31 - 1
 # Buffer for nvmlDeviceGetUUID (NVML_DEVICE_UUID_V2_BUFFER_SIZE).
 UUID_BUFFER_SIZE = 96
 # gpuInstanceId / computeInstanceId of an event on a GPU that is not a MIG instance.
@@ -101,36 +92,6 @@ def check_ignored_xids(xids: object) -> tuple[int, ...]:
                              f"the caller's policy must handle it")
         out.add(value)
     return tuple(sorted(out))
-
-
-def check_level(value: object, i: int, j: int) -> int:
-    """Topology level levels[i][j] as an int in [0, MAX_LEVEL]; TypeError / ValueError otherwise."""
-    try:
-        level = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"levels[{i}][{j}] must be an integer topology level, got {type(value).__name__}"
-        ) from None
-    if not 0 <= level <= MAX_LEVEL:
-        raise ValueError(f"levels[{i}][{j}] = {level} is not a topology level (0..{MAX_LEVEL})")
-    return level
-
-
-def check_threshold(threshold: object) -> int:
-    """`threshold` as an int clamped to [-1, MAX_LEVEL] (no answer changes by clamping)."""
-    return max(-1, min(operator.index(threshold), MAX_LEVEL))
-
-
-def too_many_gpus(n: int) -> ValueError:
-    return ValueError(f"topology of {n} GPUs: at most {MAX_GPUS} are supported (uint64_t masks)")
-
-
-def not_square(i: int, length: int, n: int) -> ValueError:
-    return ValueError(f"levels must be square: row {i} has {length} entries, expected {n}")
-
-
-def not_symmetric(i: int, j: int, a: int, b: int) -> ValueError:
-    return ValueError(f"levels must be symmetric: levels[{i}][{j}] = {a} but levels[{j}][{i}] = {b}")
 
 
 def cannot_open(path: str, reason: str) -> NvmlLibraryError:

@@ -1,27 +1,19 @@
-"""GPU groups by common-ancestor level, and the exact search for the highest-scoring set of k
-GPUs, on uint64_t bitmasks (compiled; twin: _topology_py.py).
+"""The exact search for the highest-scoring set of k GPUs, on uint64_t bitmasks (compiled;
+twin: _topology_py.py).
 
-Owns: joining GPUs whose NVML topology level is <= a threshold into groups, transitively, and
-the tree of those groups over every level; `PairScores`, a pair-score matrix converted once
-into C arrays, and its exact search: a DP over the group tree when the scores are tree-shaped,
-else branch and bound. One conversion in (the Python matrix,
-validated into a C array; per search, three ints), the work fully nogil on bitmasks (bit i =
-GPU index i, at most 64 GPUs), one conversion out (ints). Must not call NVML (the caller passes
-the levels or scores) nor import anything of `agent` but `errors` and the siblings `_types` /
-`_topology_checks`; answers must equal the twin's, step for step.
+Owns: `PairScores`, a pair-score matrix converted once into C arrays, and its exact search: a
+DP over the group tree when the scores are tree-shaped, else branch and bound; the `packed`
+policy first narrows the search to the tightest group of the score tree that holds the
+request. One conversion in (the matrix, validated and copied into C arrays at construction;
+per search, three ints), the work fully nogil on bitmasks (bit i = GPU index i, at most 64
+GPUs), one conversion out (ints). Must not call NVML (the caller passes the scores) nor import
+anything of `agent` but `errors` and the siblings `_types` / `_topology_checks`; answers must
+equal the twin's, step for step.
 """
 
-from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 
-from agent._fast._types import (
-    check_level,
-    check_threshold,
-    not_square,
-    not_symmetric,
-    too_many_gpus,
-)
 from agent._fast._topology_checks import (
     NODE_BUDGET,
     UNKNOWN_NUMA_WEIGHT,
@@ -31,169 +23,7 @@ from agent._fast._topology_checks import (
     tree_split,
 )
 
-__all__ = ["PairScores", "build_tree", "groups_at_level"]
-
-
-cdef enum:
-    MAX_LEVEL = 2147483647  # _types.MAX_LEVEL, the largest C int
-
-
-cdef struct Matrix:
-    int n
-    int levels[TOPOLOGY_MAX_GPUS * TOPOLOGY_MAX_GPUS]
-
-
-cdef void adjacency_at(const int* levels, int n, long long threshold,
-                       uint64_t* adjacency) noexcept nogil:
-    cdef int i, j
-    cdef uint64_t mask
-    for i in range(n):
-        mask = 0
-        for j in range(n):
-            if j != i and levels[i * n + j] <= threshold:
-                mask |= (<uint64_t>1) << j
-        adjacency[i] = mask
-
-
-cdef int join_groups(const uint64_t* adjacency, int n, uint64_t* groups) noexcept nogil:
-    cdef uint64_t remaining, group, frontier, low, new
-    cdef int count = 0
-    if n <= 0:
-        return 0
-    remaining = ~(<uint64_t>0) if n == TOPOLOGY_MAX_GPUS else ((<uint64_t>1) << n) - 1
-    while remaining:
-        group = remaining & (~remaining + 1)  # the lowest GPU not yet grouped seeds a group
-        frontier = group
-        while frontier:
-            low = frontier & (~frontier + 1)
-            frontier ^= low
-            new = adjacency[__builtin_ctzll(low)] & ~group
-            group |= new
-            frontier |= new
-        groups[count] = group
-        count += 1
-        remaining &= ~group
-    return count
-
-
-cdef int _compare_int(const void* a, const void* b) noexcept nogil:
-    # qsort's callback: plain C, nothing that can raise.
-    cdef int x = (<const int*>a)[0]
-    cdef int y = (<const int*>b)[0]
-    return (x > y) - (x < y)
-
-
-cdef int _distinct_levels(const Matrix* m, int* out) noexcept nogil:
-    """Sorted distinct values of m's n x n levels into out (room for n * n); returns how many."""
-    cdef int total = m.n * m.n
-    cdef int i, count = 0
-    for i in range(total):
-        out[i] = m.levels[i]
-    qsort(out, total, sizeof(int), _compare_int)
-    for i in range(total):
-        if count == 0 or out[count - 1] != out[i]:
-            out[count] = out[i]
-            count += 1
-    return count
-
-
-cdef int _first_asymmetry(const Matrix* m) noexcept nogil:
-    """i * n + j of the first (i < j) entry differing from its mirror, or -1."""
-    cdef int i, j, n = m.n
-    for i in range(n):
-        for j in range(i + 1, n):
-            if m.levels[i * n + j] != m.levels[j * n + i]:
-                return i * n + j
-    return -1
-
-
-cdef int _convert(object levels, Matrix* m) except -1:
-    """The one conversion in: validate `levels` (square, symmetric, <= 64 GPUs) into m."""
-    cdef Py_ssize_t n = len(levels)
-    cdef Py_ssize_t i, j, length
-    cdef int bad, overflow
-    cdef long long value = 0
-    if n > TOPOLOGY_MAX_GPUS:
-        raise too_many_gpus(n)
-    m.n = <int>n
-    for i in range(n):
-        row = levels[i]
-        length = len(row)
-        if length != n:
-            raise not_square(i, length, n)
-        for j in range(n):
-            item = row[j]
-            overflow = 1
-            if type(item) is int:  # the common case, checked in C; the rest as the twin does
-                value = PyLong_AsLongLongAndOverflow(item, &overflow)
-            if overflow == 0 and 0 <= value <= MAX_LEVEL:
-                m.levels[i * n + j] = <int>value
-            else:
-                m.levels[i * n + j] = check_level(item, i, j)
-    with nogil:
-        bad = _first_asymmetry(m)
-    if bad >= 0:
-        i = bad // n
-        j = bad % n
-        raise not_symmetric(i, j, m.levels[i * n + j], m.levels[j * n + i])
-    return 0
-
-
-cdef list _masks(const uint64_t* groups, int count):
-    return [groups[k] for k in range(count)]
-
-
-def groups_at_level(levels, threshold):
-    """GPUs joined when levels[i][j] <= threshold, transitively; masks sorted by lowest bit.
-
-    `levels` is an n x n matrix of NVML topology levels (n <= 64), square and symmetric; the
-    diagonal is not used for joining (a GPU is always in its own group). ValueError for a
-    malformed matrix, TypeError for a non-integer entry.
-    """
-    cdef Matrix m
-    cdef uint64_t adjacency[TOPOLOGY_MAX_GPUS]
-    cdef uint64_t groups[TOPOLOGY_MAX_GPUS]
-    cdef long long limit = check_threshold(threshold)
-    cdef int count
-    _convert(levels, &m)
-    with nogil:
-        adjacency_at(m.levels, m.n, limit, adjacency)
-        count = join_groups(adjacency, m.n, groups)
-    return _masks(groups, count)
-
-
-def build_tree(levels):
-    """[(level, groups_at_level(levels, level)) for each distinct level in `levels`, ascending].
-
-    Each level's groups are unions of the previous level's: the tree of GPUs by closest common
-    ancestor (gpu-manager style), leaves first. Empty for an empty matrix.
-    """
-    cdef Matrix m
-    cdef uint64_t adjacency[TOPOLOGY_MAX_GPUS]
-    cdef int* distinct = NULL
-    cdef int* counts = NULL
-    cdef uint64_t* groups = NULL
-    cdef int n, d = 0, k
-    _convert(levels, &m)
-    n = m.n
-    if n == 0:
-        return []
-    try:
-        distinct = <int*>malloc(n * n * sizeof(int))
-        counts = <int*>malloc(n * n * sizeof(int))
-        groups = <uint64_t*>malloc(n * n * n * sizeof(uint64_t))
-        if distinct == NULL or counts == NULL or groups == NULL:
-            raise MemoryError()
-        with nogil:
-            d = _distinct_levels(&m, distinct)
-            for k in range(d):
-                adjacency_at(m.levels, n, distinct[k], adjacency)
-                counts[k] = join_groups(adjacency, n, groups + k * n)
-        return [(distinct[k], _masks(groups + k * n, counts[k])) for k in range(d)]
-    finally:
-        free(distinct)
-        free(counts)
-        free(groups)
+__all__ = ["PairScores"]
 
 
 # -- the set search ---------------------------------------------------------------------------
@@ -204,6 +34,38 @@ cdef inline int _popcount(uint64_t mask) noexcept nogil:
 
 cdef inline int _lowest(uint64_t mask) noexcept nogil:
     return __builtin_ctzll(mask)
+
+
+cdef int _compare_int(const void* a, const void* b) noexcept nogil:
+    # qsort's callback: plain C, nothing that can raise.
+    cdef int x = (<const int*>a)[0]
+    cdef int y = (<const int*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef int64_t _sum_of(const int64_t* values, uint64_t mask) noexcept nogil:
+    """Sum of values[i] over the GPUs i in mask."""
+    cdef int64_t total = 0
+    while mask:
+        total += values[_lowest(mask)]
+        mask &= mask - 1
+    return total
+
+
+cdef int64_t _set_score(const int* s, int n, uint64_t mask) noexcept nogil:
+    """Sum of the pair scores s (n x n, row-major) of every pair of GPUs in mask."""
+    cdef int64_t total = 0
+    cdef uint64_t inner
+    cdef int a, b
+    while mask:
+        a = _lowest(mask)
+        mask &= mask - 1
+        inner = mask
+        while inner:
+            b = _lowest(inner)
+            inner &= inner - 1
+            total += s[a * n + b]
+    return total
 
 
 cdef struct Search:
@@ -335,8 +197,8 @@ cdef void _bound(Search* st, int64_t score_p, int64_t w_p, uint64_t cand, int r,
 
 cdef void _dfs(Search* st, uint64_t chosen, int r, int64_t score_p, int64_t w_p,
                uint64_t cand) noexcept nogil:
-    cdef int count, i, c, y, n = st.n
-    cdef int64_t total, weight, ub = 0, min_w = 0
+    cdef int count, i, c, n = st.n
+    cdef int64_t ub = 0, min_w = 0
     cdef uint64_t rest, inner, low
     cdef const int* row
     if r == 0:
@@ -346,21 +208,8 @@ cdef void _dfs(Search* st, uint64_t chosen, int r, int64_t score_p, int64_t w_p,
     if count < r:
         return
     if count == r:  # every candidate: score it directly
-        total = score_p
-        weight = w_p
-        rest = cand
-        while rest:
-            c = _lowest(rest)
-            rest &= rest - 1
-            total += st.gain[c]
-            weight += st.w[c]
-            row = st.s + c * n
-            inner = rest
-            while inner:
-                y = _lowest(inner)
-                inner &= inner - 1
-                total += row[y]
-        _consider(st, chosen | cand, total, weight)
+        _consider(st, chosen | cand, score_p + _sum_of(st.gain, cand) + _set_score(st.s, n, cand),
+                  w_p + _sum_of(st.w, cand))
         return
     if st.nodes >= st.budget:
         return
@@ -393,18 +242,14 @@ cdef uint64_t _packed_region(const int* s, int n, uint64_t avail, uint64_t must,
     smallest child group that still holds must and k GPUs."""
     cdef int values[TOPOLOGY_MAX_GPUS * TOPOLOGY_MAX_GPUS]
     cdef int nvalues = 0, distinct = 0, v, a, b, i, j, count, best_count
-    cdef uint64_t rest, inner, node = avail, remaining, group, frontier, lowbit, new, best
+    cdef uint64_t inner, node = avail, remaining, group, frontier, lowbit, new, best
     cdef int threshold
-    rest = avail
-    while rest:
-        a = _lowest(rest)
-        rest &= rest - 1
-        inner = rest
-        while inner:
-            b = _lowest(inner)
-            inner &= inner - 1
-            values[nvalues] = s[a * n + b]
-            nvalues += 1
+    for a in range(n):  # the pair scores within avail
+        if (avail >> a) & 1:
+            for b in range(a + 1, n):
+                if (avail >> b) & 1:
+                    values[nvalues] = s[a * n + b]
+                    nvalues += 1
     if nvalues == 0:
         return node
     qsort(values, nvalues, sizeof(int), _compare_int)
@@ -716,18 +561,10 @@ cdef class PairScores:
 
     def set_score(self, mask):
         """Sum of the pair scores of every pair of GPUs in mask."""
-        cdef uint64_t m = check_mask(self._n, mask), inner
-        cdef int64_t total = 0
-        cdef int a, b
+        cdef uint64_t m = check_mask(self._n, mask)
+        cdef int64_t total
         with nogil:
-            while m:
-                a = _lowest(m)
-                m &= m - 1
-                inner = m
-                while inner:
-                    b = _lowest(inner)
-                    inner &= inner - 1
-                    total += self._s[a * self._n + b]
+            total = _set_score(self._s, self._n, m)
         return total
 
     def best_set(self, available, must, k, policy="best-effort"):

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from agent.constants import BEST_EFFORT, DISTRIBUTED, PACKED
 from agent.errors import RequestError
 from agent.rm.devices import Device
 from agent.rm.topology import TopologyModel
-
-BEST_EFFORT = "best-effort"
-PACKED = "packed"
-DISTRIBUTED = "distributed"
-ALLOCATION_POLICIES = (BEST_EFFORT, PACKED)
-REPLICA_POLICIES = (DISTRIBUTED, PACKED)
 
 
 def _mask(positions) -> int:
@@ -72,18 +68,20 @@ def check_request(resource: str, available: Sequence[str], must_include: Sequenc
 def preferred_allocation(resource: str, available: Sequence[str], must_include: Sequence[str],
                          size: int, known: Mapping[str, Device], *,
                          model: TopologyModel | None = None, policy: str = BEST_EFFORT,
-                         replica_policy: str = DISTRIBUTED) -> list[str]:
+                         replica_policy: str = DISTRIBUTED,
+                         topology_module: Any = None) -> list[str]:
     """The device IDs to prefer for one container: `size` of `available`, `must_include` first
     (in request order), then the others: those on the NUMA node holding most of the pick first,
     by GPU index (GPUs of unknown NUMA node last).
 
     `model` is the node's TopologyModel; without one (or when it lacks a device's GPU) a
-    NUMA-only model of `known` is used. RequestError when the request cannot be met (see
+    NUMA-only model of `known` is used, searched by `topology_module` (None: the live
+    agent._fast implementation). RequestError when the request cannot be met (see
     `check_request`).
     """
     avail, must = check_request(resource, available, must_include, size, known)
     if model is None or not model.covers(known[i].gpu_uuid for i in avail):
-        model = TopologyModel.numa_only(known.values())
+        model = TopologyModel.numa_only(known.values(), topology_module=topology_module)
     rank = {device_id: r for r, device_id in enumerate(known)}
     pos_of = {i: model.by_uuid[known[i].gpu_uuid].pos for i in avail}
     per_gpu = Counter(pos_of.values())

@@ -3,7 +3,8 @@
 Owns: the score of a pair of GPUs (NVLink by link count, then the PCIe common-ancestor level,
 then NUMA locality; docs/allocation.md), and `TopologyModel`, the node's GPUs with every pair's
 `Link` and score, built once per device set from what `agent.nvml.discovery` read (or, without
-it, from NUMA nodes alone) together with the search object of `agent._fast` over its scores.
+it, from NUMA nodes alone) together with the search object of `agent._fast` over its scores
+(the live implementation, or the one a test or benchmark hands in as `topology_module`).
 Must not call NVML (the links come in read) nor import grpc; no policy here (agent.rm.preferred
 decides what to ask the search).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from agent._fast import topology_impl
@@ -60,18 +61,21 @@ class TopologyModel:
     gpus: tuple[ModelGpu, ...]
     links: Mapping[tuple[int, int], Link]
     source: str = "nvml"
+    # The agent._fast topology module whose PairScores searches the model; None: the live one
+    # (agent._fast.topology_impl). Tests and benchmarks hand in the compiled module or its twin.
+    topology_module: InitVar[Any] = None
     scores: tuple[tuple[int, ...], ...] = field(init=False)
     search: Any = field(init=False, repr=False)
     by_uuid: dict[str, ModelGpu] = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, topology_module: Any) -> None:
         n = len(self.gpus)
         self.scores = tuple(
             tuple(0 if a == b else pair_score(self.link(a, b), self.gpus[a].numa_node,
                                               self.gpus[b].numa_node) for b in range(n))
             for a in range(n))
-        self.search = topology_impl.PairScores(self.scores,
-                                               [g.numa_node is None for g in self.gpus])
+        impl = topology_impl if topology_module is None else topology_module
+        self.search = impl.PairScores(self.scores, [g.numa_node is None for g in self.gpus])
         self.by_uuid = {g.uuid: g for g in self.gpus}
 
     def link(self, a: int, b: int) -> Link:
@@ -105,7 +109,7 @@ class TopologyModel:
 
     @classmethod
     def from_links(cls, gpus: Sequence[Gpu], links: Mapping[tuple[int, int], Link],
-                   source: str = "nvml") -> TopologyModel:
+                   source: str = "nvml", *, topology_module: Any = None) -> TopologyModel:
         """The model of `gpus` from `read_links` output (keyed by GPU index); MIG-enabled GPUs
         are kept too (they have positions, never devices of full-GPU resources)."""
         ordered = sorted(gpus, key=lambda g: g.index)
@@ -113,10 +117,10 @@ class TopologyModel:
         pos = {g.index: g.pos for g in model_gpus}
         by_pos = {(pos[a], pos[b]): link for (a, b), link in links.items()
                   if a in pos and b in pos}
-        return cls(model_gpus, by_pos, source)
+        return cls(model_gpus, by_pos, source, topology_module)
 
     @classmethod
-    def numa_only(cls, devices: Iterable[Any]) -> TopologyModel:
+    def numa_only(cls, devices: Iterable[Any], *, topology_module: Any = None) -> TopologyModel:
         """A model from NUMA nodes alone (no links read): every pair is SYS, plus the same-NUMA
         points. `devices` are agent.rm.devices.Device records (several may share a GPU)."""
         seen: dict[str, tuple[int, int | None]] = {}
@@ -125,7 +129,7 @@ class TopologyModel:
         ordered = sorted(seen.items(), key=lambda kv: (kv[1][0], kv[0]))
         model_gpus = tuple(ModelGpu(p, index, uuid, numa)
                            for p, (uuid, (index, numa)) in enumerate(ordered))
-        return cls(model_gpus, {}, "numa")
+        return cls(model_gpus, {}, "numa", topology_module)
 
 
 def level_name(level: int) -> str:
