@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.errors import SimError
 from agent.sim.kubelet import (
+    AllocatableChange,
     PodExists,
     PodNotFound,
     PodRejected,
@@ -36,6 +38,8 @@ from agent.sim.kubelet import (
     SimKubeletClient,
     control_socket_path,
     extended_resource_problem,
+    registrations_per_instance,
+    zero_windows,
 )
 from tests.conftest import ROOT, gpu_agent_cmd, run_gpu_agent
 
@@ -184,12 +188,20 @@ class WidgetPlugin(dp_grpc.DevicePluginServicer):
 # -- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def kdir():
-    """A short device-plugin directory under /tmp (unix socket paths are limited to 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="gk", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def short_tmpdir_fixture(prefix: str, name: str):
+    """A fixture `name` giving a new directory under /tmp, removed afterwards: unix socket
+    paths are limited to 107 bytes, less than pytest's tmp_path leaves. test_plugin uses it too."""
+    def short_tmpdir() -> Iterator[str]:
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    return pytest.fixture(short_tmpdir, name=name)
+
+
+kdir = short_tmpdir_fixture("gk", "kdir")  # the device-plugin directory
 
 
 @pytest.fixture
@@ -579,6 +591,104 @@ def test_restart_deletes_sockets_keeps_pods_and_the_plugin_registers_again(kubel
     with channel:
         (pod,) = stub.List(pr.ListPodResourcesRequest(), timeout=WAIT).pod_resources
     assert pod.name == "survivor"
+
+
+# -- allocatable history ----------------------------------------------------------------------
+
+
+def _steps(history: list[AllocatableChange]) -> list[tuple]:
+    return [(c.cause, c.capacity, c.allocatable, c.instance, c.registration) for c in history]
+
+
+def test_history_records_snapshots_that_change_the_counts(kubelet, plugin):
+    before = time.monotonic_ns()
+    state = registered(kubelet, plugin)
+    plugin.set_health("w1", UNHEALTHY)
+    kubelet.wait_for(lambda s: s.resource(RESOURCE).allocatable == 3, WAIT)
+    plugin.set_health("w1", UNHEALTHY)  # the same list again: a snapshot, not a change
+    kubelet.wait_for(lambda s: s.resource(RESOURCE).snapshot_seq == 3, WAIT)
+    plugin.set_health("w1", HEALTHY)
+    kubelet.wait_for(lambda s: s.resource(RESOURCE).allocatable == 4, WAIT)
+
+    history = kubelet.allocatable_history(RESOURCE)
+    assert _steps(history) == [("registered", 0, 0, 0, 1), ("snapshot", 4, 4, 0, 1),
+                               ("snapshot", 4, 3, 0, 1), ("snapshot", 4, 4, 0, 1)]
+    assert [c.seq for c in history] == [1, 2, 3, 4]
+    assert all(c.resource == RESOURCE for c in history)
+    assert history[0].wall_ns == state.resource(RESOURCE).registered_ns
+    times = [c.monotonic_ns for c in history]
+    assert before <= times[0] and times == sorted(times)
+    assert kubelet.allocatable_history(after_seq=2) == history[2:]
+    assert kubelet.allocatable_history("example.com/other") == []
+    assert kubelet.zero_windows(RESOURCE) == []
+    assert kubelet.registrations_per_instance(RESOURCE) == {0: 1}
+
+
+def test_history_records_a_stream_end_as_a_zero_window_until_the_next_snapshot(kubelet, plugin):
+    registered(kubelet, plugin)
+    plugin.end_streams()
+    kubelet.wait_for(lambda s: not s.resource(RESOURCE).connected, WAIT)
+    (window,) = kubelet.zero_windows(RESOURCE)
+    assert (window.start.cause, window.start.capacity, window.start.allocatable) == \
+        ("stream-ended", 4, 0)
+    assert window.end is None and window.duration_ns is None
+
+    registered(kubelet, plugin)
+    assert _steps(kubelet.allocatable_history(RESOURCE)) == [
+        ("registered", 0, 0, 0, 1), ("snapshot", 4, 4, 0, 1), ("stream-ended", 4, 0, 0, 1),
+        ("registered", 4, 0, 0, 2), ("snapshot", 4, 4, 0, 2)]
+    (window,) = kubelet.zero_windows(RESOURCE)
+    assert (window.end.cause, window.end.allocatable, window.end.registration) == \
+        ("snapshot", 4, 2)
+    assert window.duration_ns > 0
+    assert kubelet.zero_windows(RESOURCE, since_ns=window.end.monotonic_ns) == []
+    assert kubelet.registrations_per_instance(RESOURCE) == {0: 2}
+
+
+def test_history_counts_restarts_as_instances_and_registrations_in_each(kubelet, plugin):
+    registered(kubelet, plugin)
+    kubelet.restart()
+    kubelet.restart()  # before the plugin registers again: an instance without a registration
+    plugin.stop()
+    plugin.start()
+    registered(kubelet, plugin)
+
+    history = kubelet.allocatable_history(RESOURCE)
+    assert _steps(history) == [
+        ("registered", 0, 0, 0, 1), ("snapshot", 4, 4, 0, 1), ("restarted", 0, 0, 1, 1),
+        ("restarted", 0, 0, 2, 1), ("registered", 0, 0, 2, 2), ("snapshot", 4, 4, 2, 2)]
+    assert kubelet.registrations_per_instance(RESOURCE) == {0: 1, 1: 0, 2: 1}
+    (window,) = kubelet.zero_windows(RESOURCE)
+    assert (window.start.cause, window.start.instance, window.end.seq) == \
+        ("restarted", 1, history[-1].seq)
+    # No zero window begins after the registration of the last instance.
+    assert kubelet.zero_windows(RESOURCE, since_ns=history[-2].monotonic_ns) == []
+
+
+def _change(seq: int, allocatable: int, cause: str = "snapshot", instance: int = 0):
+    return AllocatableChange(seq, RESOURCE, cause, seq, seq * 10, 4, allocatable, instance, 1)
+
+
+@pytest.mark.parametrize("counts, since_ns, expected", [
+    pytest.param([0, 4, 4], 0, [], id="never-zero-after-up"),
+    pytest.param([0, 0], 0, [], id="never-up"),
+    pytest.param([4, 0, 0, 3], 0, [(2, 4)], id="one-closed"),
+    pytest.param([4, 0, 2, 0], 0, [(2, 3), (4, None)], id="closed-then-open"),
+    pytest.param([4, 0, 2, 0], 30, [(4, None)], id="since-skips-earlier-starts"),
+    pytest.param([4, 0, 2], 21, [], id="since-after-a-start-inside-the-window"),
+])
+def test_zero_windows_from_a_history(counts, since_ns, expected):
+    history = [_change(i + 1, n) for i, n in enumerate(counts)]
+    windows = zero_windows(history, since_ns)
+    assert [(w.start.seq, w.end.seq if w.end else None) for w in windows] == expected
+
+
+def test_registrations_per_instance_from_a_history():
+    history = [_change(1, 0, "registered"), _change(2, 4), _change(3, 0, "restarted", 1),
+               _change(4, 0, "restarted", 2), _change(5, 0, "registered", 2),
+               _change(6, 0, "registered", 2)]
+    assert registrations_per_instance(history) == {0: 1, 1: 0, 2: 2}
+    assert registrations_per_instance([]) == {}
 
 
 # -- events, CLI, in-process ------------------------------------------------------------------

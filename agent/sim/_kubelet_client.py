@@ -1,7 +1,8 @@
 """SimKubeletClient: the control API of a simulated kubelet, as plain Python objects.
 
 Owns: the client used by tests, the demo and the benchmarks (`SimKubeletClient(dir)`), the
-read-only views of what the kubelet knows (`KubeletState` and its parts), bounded waiting
+read-only views of what the kubelet knows (`KubeletState` and its parts, the allocatable history
+and what it says: zero windows, registrations per kubelet instance), bounded waiting
 (`wait_for`, `wait_for_event`, `wait_ready`), and turning gRPC errors back into the errors of
 agent.sim.kubelet. Must not change what the kubelet does: every action is one control RPC.
 """
@@ -187,10 +188,10 @@ def kubelet_state(msg: ctl.State) -> KubeletState:
         r.resource_name: ResourceState(
             r.resource_name, r.endpoint, r.options.pre_start_required,
             r.options.get_preferred_allocation_available, r.registrations, r.connected,
-            r.capacity, r.allocatable, r.allocated, r.snapshot_seq,
+            r.capacity, r.allocatable, r.allocated, r.latest_snapshot.seq,
             tuple(DeviceState(d.id, d.health, tuple(d.numa_nodes), d.allocated)
                   for d in r.devices),
-            r.stream_end_reason, r.registered.wall_ns, r.last_snapshot.wall_ns,
+            r.stream_end_reason, r.registered.wall_ns, r.latest_snapshot.received.wall_ns,
             r.latest_snapshot if r.HasField("latest_snapshot") else None)
         for r in msg.resources
     }
@@ -200,13 +201,90 @@ def kubelet_state(msg: ctl.State) -> KubeletState:
                         msg.registration_failures)
 
 
+@dataclass(frozen=True)
+class AllocatableChange:
+    """One entry of kubelet's allocatable history (GetAllocatableHistory); times are ns."""
+
+    seq: int
+    resource: str
+    # What changed the counts: cause_name() of the Event kind SNAPSHOT, STREAM_ENDED,
+    # RESTARTED or REGISTERED ("snapshot", "stream-ended", "restarted", "registered").
+    cause: str
+    wall_ns: int
+    monotonic_ns: int
+    capacity: int
+    allocatable: int
+    # The kubelet instance (0 from the start, n after the n-th restart) and the registration.
+    instance: int
+    registration: int
+
+
+@dataclass(frozen=True)
+class ZeroWindow:
+    """A stretch in which a resource's allocatable was 0 after having been above 0."""
+
+    start: AllocatableChange  # the entry that took allocatable to 0
+    end: AllocatableChange | None  # the entry that took it above 0 again; None: still 0
+
+    @property
+    def duration_ns(self) -> int | None:
+        """Monotonic ns from start to end; None while it lasts."""
+        return None if self.end is None else self.end.monotonic_ns - self.start.monotonic_ns
+
+
+def cause_name(kind: int) -> str:
+    """AllocatableChange.cause for an Event kind: EventKind.STREAM_ENDED -> "stream-ended"."""
+    return EventKind.Name(kind).lower().replace("_", "-")
+
+
+def allocatable_change(msg: ctl.AllocatableChange) -> AllocatableChange:
+    return AllocatableChange(msg.seq, msg.resource_name, cause_name(msg.cause), msg.time.wall_ns,
+                             msg.time.monotonic_ns, msg.capacity, msg.allocatable, msg.instance,
+                             msg.registration)
+
+
+def zero_windows(changes: list[AllocatableChange], since_ns: int = 0) -> list[ZeroWindow]:
+    """The zero windows in one resource's history (oldest first) that begin at or after
+    `since_ns` (CLOCK_MONOTONIC, e.g. time.monotonic_ns()). A resource that has not been above
+    0 yet (new, or only 0 since the oldest kept entry) has none."""
+    windows: list[ZeroWindow] = []
+    start: AllocatableChange | None = None
+    was_up = False
+    for change in changes:
+        if change.allocatable == 0 and was_up and start is None:
+            start = change
+        elif change.allocatable > 0:
+            if start is not None and start.monotonic_ns >= since_ns:
+                windows.append(ZeroWindow(start, change))
+            start, was_up = None, True
+    if start is not None and start.monotonic_ns >= since_ns:
+        windows.append(ZeroWindow(start, None))
+    return windows
+
+
+_REGISTERED = cause_name(EventKind.REGISTERED)
+
+
+def registrations_per_instance(changes: list[AllocatableChange]) -> dict[int, int]:
+    """kubelet instance -> accepted registrations in it, from one resource's history; every
+    instance the history shows (each restart marks one) is present, 0 where none."""
+    counts: dict[int, int] = {}
+    for change in changes:
+        counts.setdefault(change.instance, 0)
+        if change.cause == _REGISTERED:
+            counts[change.instance] += 1
+    return counts
+
+
 class SimKubeletClient:
     """Client of the control API of the simulated kubelet serving DIR.
 
     state() -> KubeletState; admit_pod(name, {container: {resource: count}}) -> PodState;
     delete_pod(name) -> PodState; restart() -> removed socket paths; snapshots(resource);
-    events(after_seq) -> control Event messages; wait_for(predicate) / wait_for_event(predicate)
-    / wait_ready() wait a bounded time and raise TimeoutError showing the last state.
+    allocatable_history(resource) -> [AllocatableChange], zero_windows(resource, since_ns),
+    registrations_per_instance(resource); events(after_seq) -> control Event messages;
+    wait_for(predicate) / wait_for_event(predicate) / wait_ready() wait a bounded time and raise
+    TimeoutError showing the last state.
     """
 
     def __init__(self, directory: str | os.PathLike, rpc_timeout: float = 60.0):
@@ -214,9 +292,11 @@ class SimKubeletClient:
         self.socket = control_socket_path(self.dir)
         self.rpc_timeout = rpc_timeout
         # Short reconnect backoff: wait_ready() polls a socket that appears after a moment.
+        # A full allocatable history (100,000 entries, about 6 MB) is over gRPC's 4 MB default.
         self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=[
             ("grpc.enable_http_proxy", 0), ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 500)])
+            ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 500),
+            ("grpc.max_receive_message_length", 64 << 20)])
         self._stub = ctl_grpc.SimKubeletControlStub(self._channel)
 
     def close(self) -> None:
@@ -261,6 +341,22 @@ class SimKubeletClient:
     def snapshots(self, resource: str, after_seq: int = 0) -> list[ctl.Snapshot]:
         request = ctl.GetSnapshotsRequest(resource_name=resource, after_seq=after_seq)
         return list(self._call("GetSnapshots", request).snapshots)
+
+    def allocatable_history(self, resource: str = "", after_seq: int = 0
+                            ) -> list[AllocatableChange]:
+        """kubelet's capacity/allocatable changes of `resource` (every resource when empty)
+        with seq > after_seq, oldest first (the newest 100,000 are kept)."""
+        request = ctl.GetAllocatableHistoryRequest(resource_name=resource, after_seq=after_seq)
+        return [allocatable_change(c) for c in self._call("GetAllocatableHistory", request).changes]
+
+    def zero_windows(self, resource: str, since_ns: int = 0) -> list[ZeroWindow]:
+        """Where `resource`'s allocatable dropped to 0 at or after `since_ns` (monotonic ns)
+        having been above 0; see zero_windows()."""
+        return zero_windows(self.allocatable_history(resource), since_ns)
+
+    def registrations_per_instance(self, resource: str) -> dict[int, int]:
+        """kubelet instance -> registrations of `resource` accepted in it (0 where none)."""
+        return registrations_per_instance(self.allocatable_history(resource))
 
     def events(self, after_seq: int = 0, timeout: float = 10.0) -> Iterator[ctl.Event]:
         """Events after `after_seq` (those kept, then live ones) for at most `timeout` s."""

@@ -1,11 +1,11 @@
 """The simulated kubelet's device manager: registrations, ListAndWatch streams, allocation, events.
 
 Owns: what the simulated kubelet knows (per resource: endpoint, options, devices and health,
-snapshots; admitted pods and their devices) and the rules kubelet's device manager applies
-(pkg/kubelet/cm/devicemanager, 1.25+): synchronous dial-back on Register, one stream per resource
-that is never restarted, devices unhealthy when it ends, the allocation order of
-devicesToAllocate, one ContainerAllocateRequest per Allocate. Every change is an event.
-Must not listen on sockets or touch the filesystem: `_kubelet_server` does that.
+snapshots, the history of its capacity/allocatable; admitted pods and their devices) and the
+rules kubelet's device manager applies (pkg/kubelet/cm/devicemanager, 1.25+): synchronous
+dial-back on Register, one stream per resource that is never restarted, devices unhealthy when it
+ends, the allocation order of devicesToAllocate, one ContainerAllocateRequest per Allocate. Every
+change is an event. Must not listen on sockets or touch the filesystem: `_kubelet_server` does.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ Kind = ctl.Event.Kind
 PLUGIN_RPC_TIMEOUT = 30.0
 SNAPSHOTS_KEPT = 256
 EVENTS_KEPT = 10000
+ALLOCATABLE_CHANGES_KEPT = 100_000  # over all resources
 # kubelet files devices without NUMA affinity under this pseudo node.
 NODE_WITHOUT_TOPOLOGY = -1
 
@@ -171,11 +172,16 @@ class _Resource:
     snapshots: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=SNAPSHOTS_KEPT))
     registered: ctl.Time | None = None
-    last_snapshot: ctl.Time | None = None
     stream_end_reason: str = ""
+    # (capacity, allocatable) of the resource's latest AllocatableChange; None before one.
+    recorded: tuple[int, int] | None = None
 
     def healthy(self) -> set[str]:
         return {d for d, (health, _) in self.devices.items() if health == HEALTHY}
+
+    def counts(self) -> tuple[int, int]:
+        """(capacity, allocatable) as kubelet's GetCapacity reports them: all devices, healthy ones."""
+        return len(self.devices), len(self.healthy())
 
 
 @dataclass
@@ -205,6 +211,9 @@ class DeviceManager:
         self._pods: dict[tuple[str, str], _PodRecord] = {}
         # Bumped when kubelet "goes away": a Register still dialling from before is refused.
         self._generation = 0
+        self._changes: collections.deque[ctl.AllocatableChange] = collections.deque(
+            maxlen=ALLOCATABLE_CHANGES_KEPT)
+        self._change_seq = 0
 
     # -- registration and streams --------------------------------------------------------------
 
@@ -253,6 +262,7 @@ class DeviceManager:
             ep.call = stub.ListAndWatch(dp.Empty())
             ep.thread = threading.Thread(target=self._watch, args=(ep,), daemon=True,
                                          name=f"listandwatch-{resource}-{ep.registration}")
+            self._record_change(res, Kind.REGISTERED, ep.registration, res.registered)
             self.events.emit(Kind.REGISTERED, resource_name=resource, endpoint=endpoint,
                              message=f"registration {ep.registration}; options: "
                                      f"pre_start_required={options.pre_start_required} "
@@ -294,16 +304,17 @@ class DeviceManager:
                 for d in response.devices
             }
             res.snapshot_seq += 1
-            res.last_snapshot = now()
+            capacity, allocatable = res.counts()
             snapshot = ctl.Snapshot(
-                resource_name=ep.resource, seq=res.snapshot_seq, received=res.last_snapshot,
+                resource_name=ep.resource, seq=res.snapshot_seq, received=now(),
                 registration=ep.registration,
                 devices=[ctl.DeviceState(id=d.ID, health=d.health,
                                          numa_nodes=[n.ID for n in d.topology.nodes])
                          for d in response.devices],
-                capacity=len(res.devices), allocatable=len(res.healthy()),
+                capacity=capacity, allocatable=allocatable,
             )
             res.snapshots.append(snapshot)
+            self._record_change(res, Kind.SNAPSHOT, ep.registration, snapshot.received)
             self.events.emit(Kind.SNAPSHOT, resource_name=ep.resource, endpoint=ep.name,
                              snapshot=snapshot)
         log.info("resource %s: snapshot %d, capacity %d, allocatable %d", ep.resource,
@@ -319,11 +330,50 @@ class DeviceManager:
                 res.endpoint = None
                 res.stream_end_reason = reason
                 res.devices = {d: (UNHEALTHY, numa) for d, (_, numa) in res.devices.items()}
+                self._record_change(res, Kind.STREAM_ENDED, ep.registration)
                 reason += "; all its devices are now unhealthy until the plugin registers again"
             self.events.emit(Kind.STREAM_ENDED, resource_name=ep.resource, endpoint=ep.name,
                              message=reason)
         log.info("resource %s: ListAndWatch stream of registration %d ended: %s",
                  ep.resource, ep.registration, reason)
+
+    # The allocatable history is what kubelet 1.32's device manager reports through GetCapacity
+    # (pkg/kubelet/cm/devicemanager/manager.go): capacity = healthy + unhealthy devices,
+    # allocatable = healthy devices, and these change only where it changes those sets:
+    # - genericDeviceUpdateCallback (each ListAndWatchResponse) replaces both sets with the
+    #   response's devices: SNAPSHOT, recorded when the counts differ from the last entry.
+    # - PluginDisconnected -> markResourceUnhealthy, when the stream ends (plugin/v1beta1/
+    #   handler.go runClient -> disconnectClient -> client.go Disconnect), moves every healthy
+    #   device to unhealthy: capacity stays, allocatable 0 (STREAM_ENDED). kubelet then drops
+    #   the resource from node status after endpointStopGracePeriod (5 min): not simulated.
+    # - A new kubelet's readCheckpoint gives every checkpointed resource empty sets and a
+    #   stopped endpoint: capacity and allocatable 0 until a snapshot after re-registration
+    #   (RESTARTED, recorded always, so that every instance shows up per resource).
+    # - PluginConnected (an accepted Register) only stores the endpoint; the sets change with the
+    #   new stream's first response. REGISTERED entries, recorded always, carry the counts as
+    #   they stand (0/0 for a resource kubelet has no devices of yet; kubelet leaves such a
+    #   resource out of node status).
+
+    def _record_change(self, res: _Resource, cause: int, registration: int,
+                       when: ctl.Time | None = None) -> None:
+        """Append res's counts to the allocatable history (caller holds the lock); `cause` is
+        the Event kind that changed them."""
+        counts = res.counts()
+        if cause in (Kind.SNAPSHOT, Kind.STREAM_ENDED) and counts == res.recorded:
+            return
+        res.recorded = counts
+        self._change_seq += 1
+        self._changes.append(ctl.AllocatableChange(
+            seq=self._change_seq, resource_name=res.name, cause=cause, time=when or now(),
+            capacity=counts[0], allocatable=counts[1], instance=self.restarts,
+            registration=registration))
+
+    def allocatable_history(self, resource: str = "", after_seq: int = 0
+                            ) -> list[ctl.AllocatableChange]:
+        """Kept AllocatableChanges with seq > after_seq, of `resource` (all when empty)."""
+        with self._lock:
+            return [c for c in self._changes if c.seq > after_seq
+                    and (not resource or c.resource_name == resource)]
 
     def drop_endpoints(self, reason: str, wait: float = 5.0) -> None:
         """Close every stream (kubelet going away) and wait for their threads to report."""
@@ -345,12 +395,13 @@ class DeviceManager:
         """State after a kubelet restart: devices forgotten until plugins register again (kubelet
         reads only its checkpoint: pods and their devices survive), streams gone."""
         with self._lock:
+            self.restarts += 1
+            restarts = self.restarts
             for res in self._resources.values():
                 res.endpoint, res.endpoint_name, res.options = None, "", None
                 res.devices = {}
                 res.stream_end_reason = res.stream_end_reason or "kubelet restarted"
-            self.restarts += 1
-            restarts = self.restarts
+                self._record_change(res, Kind.RESTARTED, res.registrations)
         self.events.emit(Kind.RESTARTED, message=f"restart {restarts}; removed sockets: "
                                                  f"{', '.join(removed_sockets) or '(none)'}")
         log.info("simulated kubelet restarted (%d); removed sockets %s", restarts, removed_sockets)
@@ -543,15 +594,12 @@ class DeviceManager:
                     resource_name=name, endpoint=res.endpoint_name,
                     registrations=res.registrations, connected=res.endpoint is not None,
                     capacity=len(res.devices), allocatable=len(res.healthy()),
-                    snapshot_seq=res.snapshot_seq, stream_end_reason=res.stream_end_reason,
-                    allocated=len(allocated),
+                    stream_end_reason=res.stream_end_reason, allocated=len(allocated),
                 )
                 if res.options is not None:
                     rs.options.CopyFrom(res.options)
                 if res.registered is not None:
                     rs.registered.CopyFrom(res.registered)
-                if res.last_snapshot is not None:
-                    rs.last_snapshot.CopyFrom(res.last_snapshot)
                 if res.snapshots:
                     rs.latest_snapshot.CopyFrom(res.snapshots[-1])
                 for dev_id in sorted(res.devices):

@@ -132,6 +132,10 @@ class _Control(ctl_grpc.SimKubeletControlServicer):
         restarts, removed = self.sim.restart()
         return ctl.RestartResponse(restarts=restarts, removed_sockets=removed)
 
+    def GetAllocatableHistory(self, request, context):
+        return ctl.GetAllocatableHistoryResponse(changes=self.manager.allocatable_history(
+            request.resource_name, request.after_seq))
+
 
 class SimKubelet:
     """A simulated kubelet serving in this process (threads); `gpu-agent sim kubelet` runs one.
@@ -212,15 +216,19 @@ class SimKubelet:
                  self.kubelet_socket, self.podresources_socket, self.control_socket)
 
     def restart(self) -> tuple[int, list[str]]:
-        """Like a kubelet restart: streams dropped, sockets in DIR deleted, listening again."""
+        """Like a kubelet restart: streams dropped, sockets in DIR deleted, listening again.
+
+        The new instance's state is set before kubelet.sock exists again, so a plugin that
+        registers the moment it appears is counted in the new instance and not forgotten.
+        """
         with self._lock:
             log.info("simulated kubelet restarting")
             before = set(_sockets_in(self.dir))
             self._stop_kubelet_servers()
             self.manager.drop_endpoints("kubelet restarted")
             removed = sorted(before.union(remove_sockets(self.dir)))
-            self._start_kubelet_servers()
             restarts = self.manager.restarted(removed)
+            self._start_kubelet_servers()
         return restarts, removed
 
     def stop(self) -> None:

@@ -6,7 +6,8 @@ back before answering, keeps one ListAndWatch stream per resource (never restart
 the devices turn unhealthy until the plugin registers again), allocates devices for pods through
 GetPreferredAllocation / Allocate / PreStartContainer, serves podresources v1, and on "restart"
 deletes every socket in DIR. Its own control API (proto/simkubelet/v1/control.proto, on
-DIR/sim-control/kubelet-control.sock) lets tests see what it saw and act as the cluster would.
+DIR/sim-control/kubelet-control.sock) lets tests see what it saw (events, snapshots, every
+change of a resource's capacity/allocatable per kubelet instance) and act as the cluster would.
 
 Owns: the `gpu-agent sim kubelet|kubelet-state|admit|delete-pod|kubelet-restart` commands, the
 socket layout, the public names below and the errors. Must not import grpc at import time: the
@@ -16,14 +17,20 @@ socket layout, the public names below and the errors. Must not import grpc at im
 - `_kubelet_server`: `SimKubelet`, the gRPC servers (Registration, podresources, control)
 - `_kubelet_client`: `SimKubeletClient` and the state it returns
 
-Public names: SimKubelet, SimKubeletClient, KubeletState (and its parts), the errors, the paths.
+Public names: SimKubelet, SimKubeletClient, KubeletState (and its parts), AllocatableChange,
+ZeroWindow, zero_windows, registrations_per_instance, the errors, the paths.
 
 Choices, where kubelet versions or the brief differ:
 - GetPreferredAllocation is called whenever the plugin offers it, also when there are exactly
   as many candidates as needed: with no topology hint that is what devicesToAllocate does.
 - Register errors come back as gRPC status UNKNOWN (kubelet returns plain Go errors); the
   message names the reason. A second registration of a resource replaces the first and closes
-  its stream (the newest kubelets refuse one on a different socket path instead).
+  its stream. kubelet 1.32 leaves the first stream open, and when that stream ends later its
+  runClient finds the client by resource name, which is now the second one, and disconnects it
+  (plugin/v1beta1/handler.go): the resource turns unhealthy until the plugin registers a third
+  time. Not simulated (here the replaced stream's end changes nothing), so a clean history
+  here does not prove that a plugin which registers again while its stream is alive keeps
+  its devices on kubelet 1.32.
 - Not simulated: the topology manager (no NUMA hints), init containers and device reuse, the
   5-minute grace before an ended resource's capacity drops to 0, node-status lag, the on-disk
   checkpoint (pods survive restart() in memory), cpu/memory/DRA in podresources, and the
@@ -107,6 +114,10 @@ _LAZY = {
     "PodState": "agent.sim._kubelet_client",
     "ContainerState": "agent.sim._kubelet_client",
     "Allocation": "agent.sim._kubelet_client",
+    "AllocatableChange": "agent.sim._kubelet_client",
+    "ZeroWindow": "agent.sim._kubelet_client",
+    "zero_windows": "agent.sim._kubelet_client",
+    "registrations_per_instance": "agent.sim._kubelet_client",
     "extended_resource_problem": "agent.sim._kubelet_manager",
 }
 

@@ -51,7 +51,7 @@ class Snapshot(_message.Message):
     def __init__(self, resource_name: _Optional[str] = ..., seq: _Optional[int] = ..., received: _Optional[_Union[Time, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class ResourceState(_message.Message):
-    __slots__ = ("resource_name", "endpoint", "options", "registrations", "connected", "capacity", "allocatable", "snapshot_seq", "devices", "registered", "last_snapshot", "stream_end_reason", "allocated", "latest_snapshot")
+    __slots__ = ("resource_name", "endpoint", "options", "registrations", "connected", "capacity", "allocatable", "devices", "registered", "stream_end_reason", "allocated", "latest_snapshot")
     RESOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -59,10 +59,8 @@ class ResourceState(_message.Message):
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ALLOCATABLE_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_SEQ_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
-    LAST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STREAM_END_REASON_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     LATEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -73,14 +71,12 @@ class ResourceState(_message.Message):
     connected: bool
     capacity: int
     allocatable: int
-    snapshot_seq: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceState]
     registered: Time
-    last_snapshot: Time
     stream_end_reason: str
     allocated: int
     latest_snapshot: Snapshot
-    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: bool = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., snapshot_seq: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., last_snapshot: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ..., latest_snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
+    def __init__(self, resource_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[_api_pb2.DevicePluginOptions, _Mapping]] = ..., registrations: _Optional[int] = ..., connected: bool = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., registered: _Optional[_Union[Time, _Mapping]] = ..., stream_end_reason: _Optional[str] = ..., allocated: _Optional[int] = ..., latest_snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("dir", "kubelet_socket", "podresources_socket", "control_socket", "restarts", "resources", "pods", "last_event_seq", "started", "registration_failures")
@@ -268,3 +264,37 @@ class RestartResponse(_message.Message):
     restarts: int
     removed_sockets: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, restarts: _Optional[int] = ..., removed_sockets: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetAllocatableHistoryRequest(_message.Message):
+    __slots__ = ("resource_name", "after_seq")
+    RESOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    resource_name: str
+    after_seq: int
+    def __init__(self, resource_name: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class AllocatableChange(_message.Message):
+    __slots__ = ("seq", "resource_name", "cause", "time", "capacity", "allocatable", "instance", "registration")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATABLE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    resource_name: str
+    cause: Event.Kind
+    time: Time
+    capacity: int
+    allocatable: int
+    instance: int
+    registration: int
+    def __init__(self, seq: _Optional[int] = ..., resource_name: _Optional[str] = ..., cause: _Optional[_Union[Event.Kind, str]] = ..., time: _Optional[_Union[Time, _Mapping]] = ..., capacity: _Optional[int] = ..., allocatable: _Optional[int] = ..., instance: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
+
+class GetAllocatableHistoryResponse(_message.Message):
+    __slots__ = ("changes",)
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[AllocatableChange]
+    def __init__(self, changes: _Optional[_Iterable[_Union[AllocatableChange, _Mapping]]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class SimKubeletControlStub(object):
                 request_serializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartRequest.SerializeToString,
                 response_deserializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartResponse.FromString,
                 _registered_method=True)
+        self.GetAllocatableHistory = channel.unary_unary(
+                '/simkubelet.v1.SimKubeletControl/GetAllocatableHistory',
+                request_serializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryRequest.SerializeToString,
+                response_deserializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class SimKubeletControlServicer(object):
@@ -113,6 +118,14 @@ class SimKubeletControlServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAllocatableHistory(self, request, context):
+        """The changes of capacity/allocatable kubelet saw, per resource, still held in memory
+        (the newest 100,000 over all resources).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SimKubeletControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_SimKubeletControlServicer_to_server(servicer, server):
                     servicer.Restart,
                     request_deserializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartRequest.FromString,
                     response_serializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartResponse.SerializeToString,
+            ),
+            'GetAllocatableHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAllocatableHistory,
+                    request_deserializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryRequest.FromString,
+                    response_serializer=agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class SimKubeletControl(object):
             '/simkubelet.v1.SimKubeletControl/Restart',
             agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartRequest.SerializeToString,
             agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.RestartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAllocatableHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simkubelet.v1.SimKubeletControl/GetAllocatableHistory',
+            agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryRequest.SerializeToString,
+            agent_dot___proto_dot_simkubelet_dot_v1_dot_control__pb2.GetAllocatableHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
