@@ -21,11 +21,11 @@ import pytest
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from agent.daemon import read_status
 from agent.host import BOOT_ID_ENV
 from agent.sim.profile import load_profile
 from agent.state.checkpoint import Checkpoint
 from agent.state.journal import CHECKPOINT_FILE, read_checkpoint
+from agent.status import read_status
 from tests.conftest import run_gpu_agent
 from tests.daemon_harness import GPU, WAIT, Node, clean_env
 
@@ -406,7 +406,7 @@ def test_sighup_applies_new_state_settings(node):
         assert time.monotonic() < deadline, f"settings not applied: {state}\n{agent.log}"
         time.sleep(0.05)
     assert "checkpointDeviceIDStrategy is now index (was uuid)" in agent.log
-    agent.wait_registered(2)  # the reload restarts the servers: admit once kubelet has them
+    assert node.client.state().resource(GPU).registrations == 1  # served on through it
     node.client.admit_pod("train", {"main": {GPU: 1}})
     wait_records(agent, all_attributed(1), "an allocation recorded after the reload")
     assert checkpoint(node).keyed_by == "index"

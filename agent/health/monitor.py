@@ -1,10 +1,11 @@
 """The health monitor: the NVML event loop thread, fan-out to devices, lost GPUs, recovery,
 and manual isolation, ending in one health state per advertised device.
 
-Owns: one `agent._fast` EventSet (the compiled one or its twin, as the selector chose) with
-every physical GPU registered for XidCriticalError, DoubleBitEccError and SingleBitEccError
-(masked by what each supports; NOT_SUPPORTED leaves the GPU Healthy with one warning), the
-ignored XIDs handed to its C filter, and a thread that waits on it (GIL released) and:
+Owns: one `agent._fast` EventSet (the compiled one or its twin: as the selector chose, or the
+module a test hands in as `events_module`) with every physical GPU registered for
+XidCriticalError, DoubleBitEccError and SingleBitEccError (masked by what each supports;
+NOT_SUPPORTED leaves the GPU Healthy with one warning), the ignored XIDs handed to its C
+filter, and a thread that waits on it (GIL released) and:
 - fans an event out to every advertised device its GPU backs (all replicas; for a MIG
   instance, the one named by GI/CI, or all instances of the GPU when the event names none),
   and an event that names no GPU to every device;
@@ -88,7 +89,8 @@ class HealthMonitor:
     def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
                  policy: XidPolicy, sink: Sink, state_dir: str | None = None,
                  quiet_period_s: float = 60.0, isolation_file: str = "",
-                 events_module: Any = None, on_change: Callable[[], None] | None = None):
+                 events_module: Any = None, on_change: Callable[[], None] | None = None,
+                 current: Mapping[str, tuple[bool, str]] | None = None):
         self.library_path = library_path
         self.policy = policy
         self.sink = sink
@@ -107,7 +109,9 @@ class HealthMonitor:
         self._isolation = Isolation()
         self._isolation_error = ""
         self._isolation_unknown: list[str] = []
-        self._applied = {d.id: (True, "") for d in devices}
+        # What the devices' holders show now (a monitor replacing another on a reload): only
+        # real differences are sent, so nothing flaps.
+        self._applied = {d.id: (current or {}).get(d.id, (True, "")) for d in devices}
         self._transitions: collections.deque = collections.deque(maxlen=TRANSITIONS_KEPT)
         self._file = FaultFile(state_dir)
         self._boot = ""
@@ -574,13 +578,15 @@ def format_status(doc: dict) -> list[str]:
 
 def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         devices: Sequence[Any], sink: Sink,
-                        on_change: Callable[[], None] | None = None) -> HealthMonitor:
+                        on_change: Callable[[], None] | None = None,
+                        current: Mapping[str, tuple[bool, str]] | None = None) -> HealthMonitor:
     """A monitor set up from the agent's Config (agent.health options)."""
     policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions)
     return HealthMonitor(library_path=library_path, gpus=gpus, devices=devices, policy=policy,
                          sink=sink, state_dir=cfg.state_dir,
                          quiet_period_s=cfg.recovery_quiet_period,
-                         isolation_file=cfg.unhealthy_devices_file, on_change=on_change)
+                         isolation_file=cfg.unhealthy_devices_file, on_change=on_change,
+                         current=current)
 
 
 __all__ = ["ACTION_TEXT", "HealthMonitor", "format_status", "matches_instance",

@@ -7,7 +7,7 @@ GetPreferredAllocation, Allocate, PreStartContainer) answering from an
 plain data to the manager, protobuf out: a RequestError from the manager becomes
 INVALID_ARGUMENT with its reason, a StateError (the allocation could not be recorded)
 UNAVAILABLE, and the server keeps serving. Must not call NVML (it never imports agent.nvml)
-nor decide lifecycle: `agent.daemon` starts, stops and re-registers.
+nor decide lifecycle: `agent.kubelet.registrar` starts, stops and re-registers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import grpc
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
-from agent.errors import AgentError, RequestError, StateError
+from agent.errors import AgentError, RegistrationError, RequestError, StateError
 from agent.rm.allocate import ContainerResponse
 from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
 
@@ -35,10 +35,6 @@ STREAM_POLL_S = 5.0
 REGISTER_TIMEOUT_S = 5.0
 WORKERS = 16
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
-
-
-class RegistrationError(AgentError):
-    """kubelet did not accept the registration (not there, refused, or timed out)."""
 
 
 def socket_name(resource: str) -> str:
@@ -176,8 +172,13 @@ class PluginServer:
             return self._streams
 
     def start(self) -> None:
-        if os.path.lexists(self.path):
+        """Listen on our path. kubelet may wipe its directory at any moment, this one
+        included: a socket that vanished as it was made leaves `owns_socket()` False (the
+        registrar then starts another server), never an exception out of here."""
+        try:
             os.unlink(self.path)  # a socket left by a crash: nobody is serving it
+        except FileNotFoundError:
+            pass
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                         thread_name_prefix="plugin"),
                              options=[("grpc.so_reuseport", 0)])
@@ -192,9 +193,12 @@ class PluginServer:
         if not bound:
             raise AgentError(f"cannot listen on {self.path} for {self.resource}")
         server.start()
-        os.chmod(self.path, 0o600)
-        self.inode = os.stat(self.path).st_ino
         self._server = server
+        try:
+            self.inode = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            log.info("%s: %s was removed as it was created", self.resource, self.path)
+            return
         log.info("%s: serving the device-plugin API on %s", self.resource, self.path)
 
     def owns_socket(self) -> bool:

@@ -150,6 +150,28 @@ class ResourceManager:
                       ", ".join(flipped), self._version)
         return bool(flipped)
 
+    def reconfigure(self, devices: Sequence[Device], options: ResponseOptions, *,
+                    topology: TopologyModel | None = None, allocation_policy: str = "best-effort",
+                    replica_policy: str = "distributed") -> bool:
+        """Apply a reload behind the running server: new response options and policies take
+        effect for the next call; a changed device list (GPUs found or gone, another order) is
+        a new version, so open ListAndWatch streams send it. Devices that stay keep their
+        health. True when the advertised list changed."""
+        devices = tuple(devices)
+        if topology is None or not topology.covers(d.gpu_uuid for d in devices):
+            topology = TopologyModel.numa_only(devices)
+        with self._cond:
+            self.options, self.topology = options, topology
+            self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
+            if devices == self.devices:
+                return False
+            self.devices, self.by_id = devices, {d.id: d for d in devices}
+            self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
+            self._version += 1
+            self._cond.notify_all()
+        log.info("%s: now %d devices", self.resource, len(devices))
+        return True
+
     def close(self) -> None:
         """Wake every waiter for good (the streams following this manager end)."""
         with self._cond:

@@ -1,0 +1,146 @@
+"""The set of resources the agent advertises, built from the discovered GPUs and the config.
+
+Owns: which settings `gpu-agent run` implements (MIG single/mixed, sharing and IMEX are
+refused with the key named), the Allocate response options a config gives, the link model of
+the GPUs (read from NVML once per GPU set), and `Resources.apply`: one `ResourceManager` per
+resource name, kept across reloads. A resource that stays keeps its manager object (its
+server, streams and device health stay with it) and only takes the new settings; resources
+added or removed are reported so the registrar adds and removes only those servers. Must not
+import grpc nor serve anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from agent.config import Config
+from agent.errors import ConfigError, NvmlError
+from agent.nvml import discovery
+from agent.rm import cdi
+from agent.rm.allocate import ResponseOptions
+from agent.rm.devices import devices_by_resource
+from agent.rm.manager import ResourceManager
+from agent.rm.topology import TopologyModel
+
+log = logging.getLogger(__name__)
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse, with the key and where it was set, settings `run` does not implement yet
+    (config.py accepts them, as NVIDIA's schema has them)."""
+    if cfg.mig_strategy != "none":
+        src = cfg.source("mig_strategy")
+        key = {"flag": src.name, "env": src.name}.get(src.kind, "flags.migStrategy")
+        where = {"flag": "command line", "env": "environment"}.get(src.kind, src.name)
+        raise ConfigError(key, f"MIG strategy {cfg.mig_strategy!r} is not supported by "
+                               f"gpu-agent run yet (MIG devices come in a later release); "
+                               f"use 'none'", where)
+    for key, refused, what in (("sharing.timeSlicing", cfg.sharing.time_slicing is not None,
+                                "time-slicing is"),
+                               ("sharing.mps", cfg.sharing.mps is not None, "MPS sharing is"),
+                               ("imex.channelIDs", bool(cfg.imex.channel_ids),
+                                "IMEX channels are")):
+        if refused:
+            raise ConfigError(key, f"{what} not supported by gpu-agent run yet; remove "
+                                   f"{'them' if key.startswith('imex') else 'it'}",
+                              cfg.config_file or "")
+
+
+def response_options(cfg: Config) -> ResponseOptions:
+    return ResponseOptions(list_strategies=cfg.device_list_strategy,
+                           id_strategy=cfg.device_id_strategy,
+                           pass_device_specs=cfg.pass_device_specs,
+                           cdi_annotation_prefix=cfg.cdi_annotation_prefix,
+                           dev_root=cfg.dev_root)
+
+
+class Resources:
+    """The managers by resource name. `journal` records each Allocate (agent.state)."""
+
+    def __init__(self, journal: Callable | None = None):
+        self.journal = journal
+        self.managers: dict[str, ResourceManager] = {}
+        self.gpus: list[discovery.Gpu] = []
+        self.topology: TopologyModel | None = None
+
+    @property
+    def devices(self) -> list:
+        return [d for m in self.managers.values() for d in m.devices]
+
+    def apply(self, gpus: Sequence[discovery.Gpu], cfg: Config) -> tuple[list[str], list[str]]:
+        """Advertise `gpus` as `cfg` says; (added, removed) resource names. The managers dict
+        is replaced as a whole, so readers on other threads see the old or the new one."""
+        self.gpus = list(gpus)
+        options, topology = response_options(cfg), self._topology()
+        policies = {"allocation_policy": cfg.allocation_policy,
+                    "replica_policy": cfg.replica_allocation_policy}
+        managers = {}
+        for name, devices in devices_by_resource(self.gpus, cfg.resources.gpus).items():
+            manager = self.managers.get(name)
+            if manager is None:
+                manager = ResourceManager(name, devices, options, journal=self.journal,
+                                          topology=topology, **policies)
+            else:
+                manager.reconfigure(devices, options, topology=topology, **policies)
+            managers[name] = manager
+        added = [n for n in managers if n not in self.managers]
+        removed = [n for n in self.managers if n not in managers]
+        self.managers = managers
+        for name in added:
+            m = managers[name]
+            log.info("resource %s: %d devices (%s)", name, len(m.devices),
+                     ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" for d in m.devices))
+        for name in removed:
+            log.info("resource %s: no longer advertised", name)
+        return added, removed
+
+    def _topology(self) -> TopologyModel:
+        """The link model of the GPUs, read from NVML once per GPU set (at start, and when a
+        reload finds other GPUs); pairs NVML cannot describe count as SYS (agent.nvml)."""
+        gpus = sorted(self.gpus, key=lambda g: g.index)
+        if self.topology is not None and \
+                [g.uuid for g in self.topology.gpus] == [g.uuid for g in gpus]:
+            return self.topology
+        try:
+            links = discovery.read_links(gpus)
+        except NvmlError as exc:
+            log.warning("GPU links unreadable (%s): every pair counts as SYS", exc)
+            links = {}
+        self.topology = TopologyModel.from_links(gpus, links)
+        log.info("GPU topology: %s", self.topology.summary())
+        return self.topology
+
+    def check_cdi(self, cfg: Config) -> cdi.CdiCheck | None:
+        """With a cdi-* device-list strategy, check (at start and on every reload) that the
+        toolkit's CDI spec defines every name Allocate hands out. A missing name is logged as
+        an error with what to run, but is not fatal: the toolkit's nvidia-cdi-refresh may write
+        the spec moments later, and only containers given those devices are affected."""
+        found = cdi.check(self.devices, response_options(cfg), cfg.cdi_spec_dirs)
+        if found is not None:
+            level = log.error if not found.ok else log.warning if found.index.problems \
+                else log.info
+            level("%s", found.message())
+        return found
+
+    def advertised(self) -> dict | None:
+        """The devices advertised now by resource; None before the first discovery (read from
+        the reconcile thread: `managers` is replaced as a whole, never changed)."""
+        managers = self.managers
+        return {name: m.devices for name, m in managers.items()} if managers else None
+
+    def health(self) -> dict[str, tuple[bool, str]]:
+        """device id -> (healthy, reason) as advertised now."""
+        return {h.device.id: (h.healthy, h.reason)
+                for m in self.managers.values() for h in m.snapshot().devices}
+
+    def set_health(self, changes: Mapping[str, tuple[bool, str]]) -> None:
+        """From the health monitor's threads: one batch of device health to the managers."""
+        for manager in list(self.managers.values()):
+            mine = {i: state for i, state in changes.items() if i in manager.by_id}
+            if mine:
+                manager.set_health_many(mine)
+
+    def close(self) -> None:
+        for m in self.managers.values():
+            m.close()

@@ -1,0 +1,194 @@
+"""The agent's status: the one-line summary (systemd STATUS=), STATE_DIR/status.json, and how
+`gpu-agent status` reads and prints it.
+
+Owns: the status document's fields and their wording, publishing it (systemd STATUS= when the
+line changes, status.json rewritten atomically when anything changed), reading it back with
+whether its writer still runs, and the text `gpu-agent status` prints. It reads the
+running daemon's parts (`agent.daemon.Daemon`: cfg, phase, nvml, resources, registrar,
+state, cdi, health) and changes none of them. Must not talk to NVML or kubelet.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from agent import __version__
+from agent.errors import AgentError
+from agent.fileio import write_atomic
+from agent.health.monitor import format_status as format_health
+from agent.kubelet.podresources import format_state
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+
+
+def summary(d: Any) -> str:
+    """The one-line status of daemon `d`."""
+    if d.phase in ("stopping", "stopped"):
+        return d.phase
+    if not d.nvml.up:
+        if d.nvml.error:
+            return (f"NVML unavailable, advertising nothing, retrying (attempt "
+                    f"{d.nvml.attempts}): {d.nvml.error}")
+        return "starting"
+    registrations = d.registrar.status() if d.registrar is not None else {}
+    parts = []
+    for name, m in d.resources.managers.items():
+        r = registrations.get(name)
+        if not d.cfg.plugin_socket_dir:
+            state = "not serving (no kubelet socket)"
+        elif r is None or not r.socket:
+            state = "not serving"
+        elif r.registered:
+            state = f"registered ({r.registrations})"
+        elif r.last_error:
+            state = "waiting for kubelet"
+        else:
+            state = "registering"
+        parts.append(f"{name}: {m.healthy_count}/{len(m.devices)} healthy, {state}")
+    text = "; ".join(parts) or "no GPUs: advertising nothing"
+    for problem in (d.state.problem if d.state is not None else "",
+                    d.cdi.summary() if d.cdi is not None and not d.cdi.ok else "",
+                    d.last_error):
+        if problem:
+            text += f"; {problem}"
+    return text
+
+
+def document(d: Any) -> dict:
+    """The status document of daemon `d` (STATE_DIR/status.json)."""
+    registrations = d.registrar.status() if d.registrar is not None else {}
+    resources = []
+    for name, m in d.resources.managers.items():
+        r = registrations.get(name)
+        resources.append({
+            "name": name,
+            "socket": r.socket if r and r.socket else None,
+            "registered": bool(r and r.registered),
+            "registrations": r.registrations if r else 0,
+            "lastError": r.last_error if r else "",
+            "devices": [{"id": h.device.id, "index": h.device.gpu_index,
+                         "uuid": h.device.gpu_uuid, "numaNode": h.device.numa_node,
+                         "healthy": h.healthy, "reason": h.reason}
+                        for h in m.snapshot().devices],
+        })
+    cfg = d.cfg
+    return {
+        "pid": os.getpid(),
+        "version": __version__,
+        "phase": d.phase,
+        "summary": summary(d),
+        "started": d.started,
+        "updated": time.time(),
+        "configFile": cfg.config_file if cfg else None,
+        "kubeletSocket": cfg.kubelet_socket if cfg else None,
+        "nvml": {"up": d.nvml.up, "library": d.nvml.path, "error": d.nvml.error,
+                 "attempts": d.nvml.attempts},
+        "restarts": d.registrar.restarts if d.registrar is not None else 0,
+        "reloads": d.reloads,
+        "lastError": d.last_error,
+        "resources": resources,
+        "state": d.state.status() if d.state is not None else None,
+        "cdi": d.cdi.to_json() if d.cdi is not None else None,
+        "health": d.health.status() if d.health is not None else None,
+    }
+
+
+class Publisher:
+    """Tells systemd (`notifier`) and status.json what daemon `d` looks like now."""
+
+    def __init__(self, notifier: Any):
+        self.notifier = notifier
+        self.dirty = True  # status.json needs writing (set from any thread)
+        self._line = ""
+        self._state_written = -1
+        self._warned = False
+
+    def ready(self, d: Any) -> None:
+        self._line = summary(d)
+        self.notifier.ready(self._line)
+        self.write(d)
+
+    def publish(self, d: Any) -> None:
+        line = summary(d)
+        if line != self._line:
+            self._line = line
+            self.notifier.status(line)
+            self.dirty = True
+        if self.dirty or (d.state is not None and d.state.version != self._state_written):
+            self.write(d)
+
+    def write(self, d: Any) -> None:
+        if d.cfg is None:
+            return
+        self.dirty = False
+        if d.state is not None:
+            self._state_written = d.state.version
+        path = os.path.join(d.cfg.state_dir, STATUS_FILE)
+        try:
+            write_atomic(path, (json.dumps(document(d), indent=1) + "\n").encode(), mode=0o644)
+        except OSError as exc:
+            if not self._warned:
+                log.warning("cannot write %s: %s", path, exc)
+                self._warned = True
+
+
+def read_status(state_dir: str) -> dict | None:
+    """The status a running (or the last) agent wrote under `state_dir`, or None."""
+    try:
+        with open(os.path.join(state_dir, STATUS_FILE)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise AgentError(f"cannot read {os.path.join(state_dir, STATUS_FILE)}: {exc}") from exc
+    doc["running"] = doc.get("phase") not in ("stopped",) and _alive(doc.get("pid"))
+    return doc
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return True
+
+
+def format_status(doc: dict) -> str:
+    lines = [f"agent: {'running' if doc['running'] else 'not running'} "
+             f"(pid {doc.get('pid')}, phase {doc.get('phase')}, version {doc.get('version')})",
+             f"summary: {doc.get('summary')}",
+             f"config file: {doc.get('configFile') or 'none'}; kubelet socket: "
+             f"{doc.get('kubeletSocket') or 'none'}"]
+    nvml = doc.get("nvml", {})
+    lines.append(f"NVML: {'up' if nvml.get('up') else 'down'} ({nvml.get('library') or '-'})"
+                 + (f": {nvml['error']}" if nvml.get("error") else ""))
+    lines.append(f"restarts: {doc.get('restarts', 0)}; reloads: {doc.get('reloads', 0)}"
+                 + (f"; last error: {doc['lastError']}" if doc.get("lastError") else ""))
+    for r in doc.get("resources", []):
+        lines.append(f"{r['name']}: {'registered' if r['registered'] else 'not registered'} "
+                     f"({r['registrations']} registrations) on {r['socket'] or '-'}")
+        for dev in r["devices"]:
+            numa = "-" if dev["numaNode"] is None else dev["numaNode"]
+            lines.append(f"  GPU {dev['index']} {dev['uuid']} NUMA {numa}: "
+                         f"{'healthy' if dev['healthy'] else 'unhealthy'}"
+                         + (f" ({dev['reason']})" if dev.get("reason") else ""))
+    if doc.get("cdi"):
+        c = doc["cdi"]
+        lines.append(f"CDI ({', '.join(c['strategies'])}): "
+                     + (f"all {c['wanted']} device names defined" if c["ok"] else
+                        f"{len(c['missing'])} of {c['wanted']} device names missing from the "
+                        f"specs in {', '.join(c['dirs'])}: {', '.join(c['missing'])}"))
+    if doc.get("state"):
+        lines += format_state(doc["state"])
+    if doc.get("health"):
+        lines += format_health(doc["health"])
+    return "\n".join(lines)
