@@ -54,7 +54,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(profile=args.profile, keep=args.keep)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: list[str]) -> str | None:
+    """The command word of `argv`: the first word that is neither an option nor the value of
+    the one global option that takes one (--log-level)."""
+    for i, word in enumerate(argv):
+        if not word.startswith("-") and not (i and argv[i - 1] == "--log-level"):
+            return word
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command tree; with `only="run"`, the global options and `run` alone (the
+    service's start path: the other commands' parsers import what `run` does not need)."""
     parser = argparse.ArgumentParser(
         prog="gpu-agent",
         description="Kubernetes GPU device plugin that runs as a host service.",
@@ -80,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "See docs/operations.md.")
     add_run_options(p)
     p.set_defaults(func=_cmd_run)
+    if only == "run":
+        return parser
 
     add_state_command(
         sub, "status", _cmd_status,
@@ -110,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(only="run" if _command(argv) == "run" else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),

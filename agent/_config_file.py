@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Union
 
-import yaml
-
 from agent._config_kinds import (
     BoolKind,
     ChoiceKind,
@@ -307,6 +305,8 @@ def _mark(mark) -> str:
 
 def _find_duplicates(node, path: str, source: str) -> None:
     """Refuse a key given twice in one mapping (PyYAML would silently keep the last)."""
+    import yaml
+
     if isinstance(node, yaml.MappingNode):
         seen: dict[tuple, Any] = {}
         for key_node, value_node in node.value:
@@ -355,7 +355,11 @@ def _join_surrogates(data: Any, source: str) -> Any:
 
 
 def load_yaml(text: str, source: str) -> Any:
-    """Decode YAML (JSON is YAML too); ConfigError(source, ...) with line and column if broken."""
+    """Decode YAML (JSON is YAML too); ConfigError(source, ...) with line and column if broken.
+    PyYAML is imported here, when there is a file to read: an agent without one starts
+    without it."""
+    import yaml
+
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from agent._config_file import (
     COMPAT_KEYS,
     GROUPS,
@@ -233,6 +231,8 @@ def _dump(value: Any, flow: bool) -> str:
     """YAML for `value`, non-ASCII written as is where that reads back the same. (PyYAML's
     emitter writes NEL, LS and PS raw inside quoted scalars, where a reader takes them for
     line breaks; escape everything then.)"""
+    import yaml  # `config show` only
+
     kwargs = {"default_flow_style": flow, "sort_keys": False, "width": 1 << 30}
     text = yaml.safe_dump(value, allow_unicode=True, **kwargs)
     if any(ch in text for ch in "\x85\u2028\u2029"):

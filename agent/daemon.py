@@ -1,17 +1,14 @@
-"""`gpu-agent run`: the composition root. Builds the parts, wires them, and runs the main loop.
+"""`gpu-agent run`: the composition root. Builds the parts, wires them, runs the main loop.
 
-Owns: the order of start (config → allocation state → NVML → resources → health → CDI check
-→ registrar), what a SIGHUP changes (applied behind the running servers: agent.rm.resources
-keeps each resource's manager, the registrar adds and removes only the servers of resources
-that come or go), the clean stop on SIGTERM/SIGINT, and the systemd conversation (READY once
-every resource is registered, STATUS, WATCHDOG, RELOADING, STOPPING).
-
-The parts and their threads: the main thread runs the loop below (signals, the watchdog, NVML
-retries while failOnInitError is false, publishing the status); `agent.kubelet.registrar` owns
-the plugin servers and registration with kubelet in a thread of its own; gRPC serves from its
-pool; `agent.health` and `agent.state` run their own loops and call back through `_wake`.
-Must not talk gRPC, build devices or responses, format the status (agent.status), nor call
-NVML except through agent.nvml.session.
+Owns: the order of start (config → NVML → resources → health → registrar, which registers
+first; then the CDI check and the allocation journal, which Allocate waits for), what a SIGHUP
+changes (applied behind the running servers: agent.rm.resources keeps each resource's manager,
+the registrar adds and removes only the servers of resources that come or go), the clean stop,
+and the systemd conversation (READY once every resource registered, STATUS, WATCHDOG, ...).
+Threads: the main thread runs the loop (signals, the watchdog, NVML retries, the status); the
+registrar, gRPC, health and state run their own and call back through `_wake`. Must not talk
+gRPC, build devices or responses, format the status (agent.status), nor call NVML but through
+agent.nvml.session.
 """
 
 from __future__ import annotations
@@ -29,16 +26,15 @@ from agent import __version__, status
 from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError
 from agent.health.monitor import HealthMonitor, monitor_from_config
-from agent.kubelet.podresources import AllocationState
 from agent.kubelet.registrar import Registrar
 from agent.nvml.session import NvmlSession
-from agent.rm import cdi
 from agent.rm.resources import Resources, check_supported
 from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
 LOOP_TICK_S = 1.0
+FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
 # The settings the health monitor is built from: a reload that changes none of them (and not
 # the devices) keeps the running monitor.
 HEALTH_SETTINGS = ("disable_healthchecks", "enable_healthchecks", "xid_actions",
@@ -57,11 +53,11 @@ class Daemon:
         self.phase = "starting"
         self.stop_requested = False
         self.nvml = NvmlSession()
-        self.state: AllocationState | None = None  # the allocation journal (agent.state)
+        self.state: Any = None  # the allocation journal and its reconciler (AllocationState)
         self.resources = Resources()
         self.health: HealthMonitor | None = None
         self.registrar: Registrar | None = None
-        self.cdi: cdi.CdiCheck | None = None  # the last CDI spec check (cdi-* strategies)
+        self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -86,8 +82,12 @@ class Daemon:
             check_supported(self.cfg)
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
-            self._start_state()
-            self._bring_up(first=True)
+            try:  # health.json and the journal live there
+                os.makedirs(self.cfg.state_dir, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                log.warning("cannot create the state directory %s: %s", self.cfg.state_dir, exc)
+            self._bring_up(first=True)  # registered as early as can be ...
+            self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
             if self.notifier.watchdog_interval:
                 self._watchdog_at = time.monotonic()
             self._loop()
@@ -97,18 +97,15 @@ class Daemon:
 
     def _start_state(self) -> None:
         """Load the allocation checkpoint (a bad one is set aside) and start reconciling."""
+        from agent.kubelet.podresources import AllocationState  # not on the start path
+
         cfg = self.cfg
-        try:
-            os.makedirs(cfg.state_dir, mode=0o755, exist_ok=True)
-        except OSError as exc:
-            log.warning("cannot create the state directory %s: %s (status is not written)",
-                        cfg.state_dir, exc)
         self.state = AllocationState(
             cfg.state_dir, keyed_by=cfg.checkpoint_device_id_strategy,
             socket_path=cfg.pod_resources_socket, period=cfg.reconcile_interval,
             devices=self.resources.advertised, environ=self.environ)
-        self.resources.journal = self.state.record_allocation
         self.state.start()
+        self.resources.set_journal(self.state.record_allocation)
 
     def _bring_up(self, first: bool = False) -> None:
         """NVML and discovery, then advertise; on failure exit (failOnInitError true, at
@@ -129,32 +126,36 @@ class Daemon:
         """Build (or update) the resources from `gpus` and the config, then serve them."""
         before = [d.id for d in self.resources.devices]
         self.resources.apply(gpus, self.cfg)
-        self.state.poke()  # the GPUs are known now: match records to them
+        if self.state is not None:
+            self.state.poke()  # the GPUs are known now: match records to them
         if restart_health or [d.id for d in self.resources.devices] != before:
             self._start_health()  # before serving: the first snapshot has the recorded faults
-        self.cdi = self.resources.check_cdi(self.cfg)
         if not self.cfg.plugin_socket_dir:
             log.info("kubelet socket is empty (do not connect to kubelet): not serving")
+        else:
+            first = self.registrar is None
+            if first:
+                self.registrar = Registrar(self.cfg.kubelet_socket, on_change=self._wake)
+            generation = self.registrar.serve(self.resources.managers)
+            self.registrar.start()  # once: a running registrar ignores it
+            if first:  # at start, the registration goes first: nothing else holds the GIL
+                self.registrar.wait_synced(generation, FIRST_REGISTRATION_WAIT_S)
+        self.cdi = self.resources.check_cdi(self.cfg)
+        if not self.cfg.plugin_socket_dir:
             self._send_ready()
-            return
-        if self.registrar is None:
-            self.registrar = Registrar(self.cfg.kubelet_socket, on_change=self._wake)
-            self.registrar.start()
-        self.registrar.serve(self.resources.managers)
 
     # -- health ------------------------------------------------------------------------------
 
     def _start_health(self) -> None:
-        """(Re)start the health monitor on the current devices; its faults persist in the
-        state directory, so a reload keeps withdrawn GPUs withdrawn."""
-        current = self.resources.health()
-        self._stop_health()
-        self.health = monitor_from_config(self.cfg, library_path=self.nvml.path,
-                                          gpus=self.resources.gpus,
-                                          devices=self.resources.devices,
-                                          sink=self.resources.set_health, on_change=self._wake,
-                                          current=current)
-        self.health.start()
+        """(Re)start the health monitor on the current devices, handing over from the running
+        one; faults persist in the state directory, so a reload keeps withdrawn GPUs out."""
+        old, self.health = self.health, monitor_from_config(
+            self.cfg, library_path=self.nvml.path, gpus=self.resources.gpus,
+            devices=self.resources.devices, sink=self.resources.set_health,
+            on_change=self._wake, current=self.resources.health())
+        self.health.start()  # its event set is registered before the old one stops
+        if old is not None:
+            old.stop(wait=False)
 
     def _stop_health(self) -> None:
         if self.health is not None:
@@ -278,7 +279,7 @@ class Daemon:
         """Tell systemd and status.json what changed; READY once every resource registered."""
         registered = self.registrar.status() if self.registrar is not None else {}
         count = sum(r.registrations for r in registered.values())
-        if count != self._registrations:
+        if count != self._registrations and self.state is not None:
             self._registrations = count
             self.state.poke()  # kubelet is (back) up: ask podresources now
         if not self.ready_sent and registered and all(

@@ -20,8 +20,6 @@ from typing import Any
 from agent import __version__
 from agent.errors import AgentError
 from agent.fileio import write_atomic
-from agent.health.monitor import format_status as format_health
-from agent.kubelet.podresources import format_state
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +109,20 @@ class Publisher:
         self._warned = False
 
     def ready(self, d: Any) -> None:
+        """READY=1; status.json is written first, so it is current when systemd hears."""
         self._line = summary(d)
-        self.notifier.ready(self._line)
         self.write(d)
+        self.notifier.ready(self._line)
 
     def publish(self, d: Any) -> None:
         line = summary(d)
-        if line != self._line:
+        changed = line != self._line
+        if changed or self.dirty or (d.state is not None
+                                     and d.state.version != self._state_written):
+            self.write(d)
+        if changed:
             self._line = line
             self.notifier.status(line)
-            self.dirty = True
-        if self.dirty or (d.state is not None and d.state.version != self._state_written):
-            self.write(d)
 
     def write(self, d: Any) -> None:
         if d.cfg is None:
@@ -163,6 +163,9 @@ def _alive(pid: Any) -> bool:
 
 
 def format_status(doc: dict) -> str:
+    from agent.health.monitor import format_status as format_health
+    from agent.kubelet.podresources import format_state
+
     lines = [f"agent: {'running' if doc['running'] else 'not running'} "
              f"(pid {doc.get('pid')}, phase {doc.get('phase')}, version {doc.get('version')})",
              f"summary: {doc.get('summary')}",

@@ -4,7 +4,8 @@ dgx1-v100) against an in-process simulated kubelet over real unix sockets.
 Owns: measuring Allocate latency over the plugin socket with 1 caller (a blocking stub, as
 kubelet calls) and with 64 concurrent callers (grpc.aio on one channel), the time from process
 start to registered and to the first device list (the simulated kubelet's event timestamps),
-the time from a kubelet restart to the next device list, and the agent's resident memory
+the time from a kubelet restart to the registration and the next device list, the time from a
+SIGHUP to the new setting answering Allocate, and the agent's resident memory
 (/proc/PID/status VmRSS). Figures only; the tests assert behaviour, never time.
 """
 
@@ -29,8 +30,9 @@ from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from bench import Section, allocate_concurrently, percentile
 
 RESOURCE = "nvidia.com/gpu"
-STARTS = 5
-RESTARTS = 10
+STARTS = 10
+RESTARTS = 20
+RELOADS = 20
 ONE_CALLER_CALLS = 2000
 MANY_CALLERS = 64
 CALLS_PER_CALLER = 60
@@ -49,13 +51,13 @@ def _rss_mb(pid: int) -> float:
 class _Run:
     """One agent process against the bench's simulated kubelet."""
 
-    def __init__(self, work: str, kdir: str, env: dict):
+    def __init__(self, work: str, kdir: str, env: dict, *args: str):
         self.log = open(os.path.join(work, "agent.log"), "ab")  # closed in stop()
         self.t0_ns = time.time_ns()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--kubelet-socket",
              os.path.join(kdir, "kubelet.sock"), "--state-dir", os.path.join(work, "state"),
-             "--nvml-library", str(lib_path())],
+             "--nvml-library", str(lib_path()), *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
@@ -137,7 +139,9 @@ def run() -> Section:
 
         # -- one agent for the rest -------------------------------------------------------------
         after = client.state().last_event_seq
-        agent = _Run(work, kdir, env)
+        config = os.path.join(work, "config.yaml")
+        _write_strategy(config, STRATEGIES[0])
+        agent = _Run(work, kdir, env, "--config", config)
         _next(client, Kind.SNAPSHOT, after, "first device list")
         res = client.state().resource(RESOURCE)
         ids = sorted(d.id for d in res.devices)[:2]
@@ -146,13 +150,17 @@ def run() -> Section:
         many, wall = _allocate_many_callers(socket, ids)
         rss_after_load = _rss_mb(agent.proc.pid)
 
-        re_registered = []
+        reloaded = _reloads(agent, config, socket, ids)
+
+        re_registered, re_listed = [], []
         for _ in range(RESTARTS):
             after = client.state().last_event_seq
             client.restart()
             restarted = _next_any(client, Kind.RESTARTED, after)
-            snapshot = _next(client, Kind.SNAPSHOT, restarted.seq, "device list after restart")
-            re_registered.append((snapshot.time.wall_ns - restarted.time.wall_ns) / 1e9)
+            registered = _next(client, Kind.REGISTERED, restarted.seq, "registration")
+            snapshot = _next(client, Kind.SNAPSHOT, registered.seq, "device list after restart")
+            re_registered.append((registered.time.wall_ns - restarted.time.wall_ns) / 1e9)
+            re_listed.append((snapshot.time.wall_ns - restarted.time.wall_ns) / 1e9)
         agent.stop()
         agent = None
     finally:
@@ -163,17 +171,24 @@ def run() -> Section:
         kubelet.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    def row(name, samples, worst_is_max, target, limit, fmt=_ms):
+    def row(name, samples, worst_is_max, target, limit, fmt=_ms, median_limit=None):
         med = statistics.median(samples)
         tail = max(samples) if worst_is_max else percentile(samples, 99)
         met = "" if limit is None else ("yes" if tail <= limit else "**no**")
+        if median_limit is not None:
+            met = "yes" if med <= median_limit else "**no**"
         section.rows.append([name, fmt(med), fmt(tail), target, met])
 
     row("Allocate, 1 caller", one, False, "p99 ≤ 2 ms", 0.002)
     row(f"Allocate, {MANY_CALLERS} concurrent callers", many, False, "—", None)
-    row("start → registered", to_registered, True, "≤ 1.5 s", 1.5)
-    row("start → first device list", to_devices, True, "—", None)
-    row("kubelet restart → next device list", re_registered, True, "≤ 1 s", 1.0)
+    row("start → registered", to_registered, False, "median ≤ 150 ms", None,
+        median_limit=0.150)
+    row("start → first device list", to_devices, False, "—", None)
+    row("kubelet restart → re-registered", re_registered, False, "median ≤ 15 ms", None,
+        median_limit=0.015)
+    row("kubelet restart → next device list", re_listed, False, "—", None)
+    row("SIGHUP → new setting answers Allocate", reloaded, False, "median ≤ 50 ms", None,
+        median_limit=0.050)
     row("RSS after start", rss_start, True, "≤ 60 MB", 60.0, fmt=lambda m: f"{m:.1f} MB")
     section.rows.append([f"RSS after {len(one) + len(many) + 100} Allocate calls",
                          f"{rss_after_load:.1f} MB", "", "≤ 60 MB",
@@ -184,8 +199,15 @@ def run() -> Section:
         "one at a time under the GIL, so this is queueing time, not per-call cost.",
         "The start figures include the interpreter start and the imports (grpc, pynvml, "
         "PyYAML), NVML init and discovery on the simulated library, and kubelet's dial-back.",
-        "Restart: the agent waits 0.1 s after the first inotify event for kubelet's burst of "
-        "socket changes to end before it restarts its server and registers once.",
+        "Restart: measured from the simulated kubelet's RESTARTED event (its sockets wiped, "
+        "kubelet.sock about to be served again) to the agent's Register and to the first "
+        "device list of the new stream. The agent acts on the inotify event at once: it "
+        "re-creates its socket when that is gone and registers when kubelet.sock's identity "
+        "differs from the instance it registered with (agent/kubelet/registrar.py).",
+        f"SIGHUP: {RELOADS} reloads alternating deviceListStrategy envvar and volume-mounts; "
+        "from the signal to the first Allocate (polled on the plugin socket) answered the new "
+        "way. The servers keep serving through the reload: the same ListAndWatch stream and "
+        "registration carry on.",
         "Every Allocate is journaled durably before it is answered (docs/state.md): two "
         "fsyncs on this VM's disk per write. These calls come straight to the plugin socket, "
         "not from a pod kubelet admitted, so podresources never claims their records: all of "
@@ -195,6 +217,35 @@ def run() -> Section:
         "container. The journal's own cost is measured in the allocation-state section.",
     ]
     return section
+
+
+STRATEGIES = ("envvar", "volume-mounts")
+
+
+def _write_strategy(path: str, strategy: str) -> None:
+    with open(path, "w") as f:
+        f.write(f"version: v1\nflags:\n  plugin:\n    deviceListStrategy: {strategy}\n")
+
+
+def _reloads(agent: _Run, config: str, socket: str, ids: list[str]) -> list[float]:
+    """Seconds from SIGHUP to the first Allocate answered with the new strategy."""
+    request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)])
+    out = []
+    with grpc.insecure_channel(f"unix:{socket}", options=[("grpc.enable_http_proxy", 0)]) as ch:
+        stub = dp_grpc.DevicePluginStub(ch)
+        for n in range(1, RELOADS + 1):
+            _write_strategy(config, STRATEGIES[n % 2])
+            mounted = STRATEGIES[n % 2] == "volume-mounts"
+            start = time.perf_counter()
+            agent.proc.send_signal(signal.SIGHUP)
+            while True:
+                response = stub.Allocate(request, timeout=10).container_responses[0]
+                if bool(response.mounts) == mounted:
+                    break
+                if time.perf_counter() - start > 10:
+                    raise RuntimeError("the reloaded strategy never answered")
+            out.append(time.perf_counter() - start)
+    return out
 
 
 def _next_any(client: SimKubeletClient, kind: int, after: int) -> ctl.Event:

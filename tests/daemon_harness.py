@@ -28,7 +28,8 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim import PROFILES_DIR, lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from tests.conftest import ROOT, gpu_agent_cmd
+from agent.status import read_status
+from tests.conftest import ROOT, gpu_agent_cmd, run_gpu_agent
 
 WAIT = 20.0  # upper bound of every wait; a healthy run needs far less
 GPU = "nvidia.com/gpu"
@@ -106,6 +107,27 @@ class Node:
         agent = Agent(self, [*argv, *args], self.env() if env is None else env)
         self.agents.append(agent)
         return agent
+
+    def status_when(self, predicate, what: str, timeout: float = WAIT) -> dict:
+        """status.json once predicate(doc) holds: it follows the agent within a loop tick, so
+        a test that saw kubelet learn something waits here for the file to say it too."""
+        deadline = time.monotonic() + timeout
+        while True:
+            doc = read_status(self.state)
+            if doc is not None and predicate(doc):
+                return doc
+            if time.monotonic() > deadline:
+                raise AssertionError(f"status.json never showed {what}: {doc}")
+            time.sleep(0.05)
+
+    def status_with(self, *texts: str, timeout: float = WAIT) -> str:
+        """`gpu-agent status` once it shows every one of `texts` (or the last one printed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = run_gpu_agent("status", "--state-dir", self.state, env=clean_env()).stdout
+            if all(t in out for t in texts) or time.monotonic() > deadline:
+                return out
+            time.sleep(0.2)
 
     def close(self) -> None:
         for agent in self.agents:

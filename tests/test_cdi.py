@@ -238,5 +238,5 @@ def test_agent_with_the_toolkit_spec_starts_without_a_warning(node):
                    f"all defined by {node.cdi_dirs[0]}/nvidia.yaml")
     assert not [line for line in agent.log.splitlines()
                 if line.startswith(("ERROR", "WARNING")) and "CDI" in line]
-    assert read_status(node.state)["cdi"]["ok"] is True
+    node.status_when(lambda doc: doc["cdi"] and doc["cdi"]["ok"], "the CDI check passed")
     assert agent.stop() == 0

@@ -73,8 +73,8 @@ def test_kubelet_starting_after_the_agent_gets_a_registration():
 def test_empty_kubelet_socket_means_discover_but_do_not_serve(node):
     agent = node.agent("--kubelet-socket=", kubelet=False)
     agent.wait_log("kubelet socket is empty (do not connect to kubelet): not serving")
-    assert read_status(node.state)["summary"] == \
-        f"{GPU}: 8/8 healthy, not serving (no kubelet socket)"
+    node.status_when(lambda doc: doc["summary"] ==
+                     f"{GPU}: 8/8 healthy, not serving (no kubelet socket)", "not serving")
     assert node.client.state().resource(GPU) is None
     assert not os.path.lexists(node.plugin_socket)
     assert agent.stop() == 0
@@ -126,7 +126,7 @@ def test_sighup_with_a_broken_config_keeps_the_running_one(node, broken, key):
     assert res.connected and res.registrations == 1  # not restarted
     ids, response = admit_response(node, "p")
     assert [c.name for c in response.cdi_devices] == [f"nvidia.com/gpu={ids[0]}"]
-    status = read_status(node.state)
+    status = node.status_when(lambda doc: doc["lastError"], "the refused reload")
     assert status["lastError"].startswith("reload refused") and key in status["lastError"]
     assert agent.stop() == 0
 
@@ -176,7 +176,7 @@ def test_init_failure_without_fail_on_init_error_recovers_when_the_driver_comes(
     res = agent.wait_registered(1)
     assert len(res.healthy_ids) == 8
     assert "NVML initialised from" in agent.log and "attempts" in agent.log
-    assert read_status(node.state)["nvml"]["up"]
+    node.status_when(lambda doc: doc["nvml"]["up"], "NVML up")
     assert agent.stop() == 0
 
 

@@ -21,8 +21,8 @@ import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.conftest import run_gpu_agent, wants_twins
-from tests.daemon_harness import GPU, Node, clean_env
+from tests.conftest import wants_twins
+from tests.daemon_harness import GPU, Node
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -66,10 +66,6 @@ def wait_unhealthy(node: Node, agent, ids: set[str], what: str):
     return state.resource(GPU)
 
 
-def status(node: Node) -> str:
-    return run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
-
-
 def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(node, fast_impl):
     agent, seq = start(node)
     control.inject_xid(node.ctl, 3, 13)
@@ -81,7 +77,7 @@ def test_xid_79_withdraws_gpu_3_in_the_next_snapshot_and_xid_13_changes_nothing(
                    f"off the bus): node reboot required; withdrawn: {UUIDS[3]}")
     res = node.client.state().resource(GPU)
     assert res.allocatable == 7
-    out = status(node)
+    out = node.status_with(f"GPU 3 {UUIDS[3]} NUMA 0: unhealthy (XID 79", "1 delivered")
     assert f"unhealthy: {UUIDS[3]} (GPU 3 {UUIDS[3]}) [xid=79 action=reboot]" in out
     assert f"GPU 3 {UUIDS[3]} unhealthy [xid=79 action=reboot]: XID 79" in out
     assert "1 delivered, 1 ignored XIDs" in out
@@ -115,7 +111,7 @@ def test_gpu_whose_events_are_not_supported_stays_healthy_with_one_warning(node,
     snap = next_snapshot(node, agent, seq)
     assert unhealthy(snap) == {UUIDS[4]}
     assert agent.log.count(f"GPU 3 {UUIDS[3]}: NVML events not supported") == 1
-    assert "GPU 3: no NVML events" in status(node)
+    assert "GPU 3: no NVML events" in node.status_with("GPU 3: no NVML events")
 
 
 def test_disable_healthchecks_from_the_environment(node, fast_impl):
@@ -133,7 +129,7 @@ def test_reset_class_error_recovers_after_the_quiet_period(node, fast_impl):
     assert unhealthy(snap) == {UUIDS[6]}
     back = next_snapshot(node, agent, snap.seq)
     assert unhealthy(back) == set()
-    assert "reset-class fault cleared" in status(node)
+    assert "reset-class fault cleared" in node.status_with("reset-class fault cleared")
 
 
 def test_reboot_class_error_survives_restarts_until_the_boot_id_changes(node, fast_impl):
@@ -171,7 +167,8 @@ def test_isolation_file_added_edited_malformed_and_removed(node):
     write_isolation(node, '{"index": [0,')  # malformed: reported, the previous set stays
     agent.wait_log("isolation file: ")
     assert "not valid JSON" in agent.log and "keeping the previous isolation set" in agent.log
-    assert "ERROR: " in status(node) and "not valid JSON" in status(node)
+    out = node.status_with("ERROR: ", "not valid JSON")
+    assert "ERROR: " in out and "not valid JSON" in out
     assert node.client.state().resource(GPU).snapshot_seq == seq
     write_isolation(node, json.dumps({"index": ["two"]}))
     agent.wait_log("'two' is not a GPU index")

@@ -19,18 +19,21 @@ import time
 
 import pytest
 
-from agent.kubelet.watch import CREATED, SocketDirWatch
+from agent.dirwatch import CREATED, DirWatch
+from agent.sim import control
+from agent.sim.profile import load_profile
 from tests.daemon_harness import GPU, SOCKET, WAIT, Node
 
+UUIDS = {g["index"]: g["uuid"] for g in load_profile("dgx1-v100")["gpus"]}
 # (config text, what an Allocate answers with it): strategies and health settings, cycled.
 HEALTH = "agent:\n  health:\n"
 CONFIGS = [
     ("version: v1\n", "envvar"),
-    ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: volume-mounts\n", "volume-mounts"),
+    (f"version: v1\n{HEALTH}    xidActions: {{79: reset, 48: ignore}}\n", "envvar"),
     ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: cdi-cri\n", "cdi-cri"),
     ("version: v1\nflags:\n  plugin:\n    deviceIDStrategy: index\n", "index"),
     (f"version: v1\n{HEALTH}    recoveryQuietPeriod: 2m\n", "envvar"),
-    (f"version: v1\n{HEALTH}    xidActions: {{79: reset, 48: ignore}}\n", "envvar"),
+    ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: volume-mounts\n", "volume-mounts"),
     (f"version: v1\n{HEALTH}    disableHealthchecks: [48, 63]\n", "envvar"),
 ]
 
@@ -74,6 +77,15 @@ def test_fifty_sighups_never_take_the_resource_away(node):
     res = node.client.state().resource(GPU)  # one stream all along: never ended, never replaced
     assert res.connected and res.registrations == 1 and res.allocatable == 8
     assert pods == 5 and "Traceback" not in agent.log
+    # the health monitor handed over at each health change is the one that acts now: the last
+    # config ignores XID 48 and acts on 79
+    assert CONFIGS[50 % len(CONFIGS)][0].endswith("xidActions: {79: reset, 48: ignore}\n")
+    control.inject_xid(node.ctl, 2, 48)
+    control.inject_xid(node.ctl, 3, 79)
+    agent.wait_log("unhealthy [xid=79 action=reset]")
+    state = agent.wait_for(lambda s: s.resource(GPU).allocatable == 7, "GPU 3 withdrawn")
+    assert {d.id for d in state.resource(GPU).devices if not d.healthy} == {UUIDS[3]}
+    assert "xid=48" not in agent.log
 
 
 def test_a_renamed_resource_is_served_before_the_old_name_goes(node):
@@ -97,7 +109,7 @@ def _restart_twice(node: Node, gap_s: float, after_our_socket: bool) -> None:
     """Two kubelet starts, as a service manager restarting a kubelet that failed right after
     it started: the second `gap_s` after the first, or `gap_s` after the agent re-created its
     socket for the first (so the wipe lands inside the agent's own restart)."""
-    watch = SocketDirWatch(node.kdir)
+    watch = DirWatch(node.kdir)
     try:
         node.client.restart()
         if after_our_socket:

@@ -1,4 +1,4 @@
-"""Manual isolation: the operators' unhealthy-devices file, watched with inotify (pyinotify).
+"""Manual isolation: the operators' unhealthy-devices file, watched with inotify (agent.dirwatch).
 
 Owns: reading `{"index": [...], "uuid": [...]}` (`agent.health.unhealthyDevicesFile`, default
 agent.constants.DEFAULT_ISOLATION_FILE), which
@@ -17,23 +17,17 @@ import os
 import re
 import select
 import threading
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
+from agent.dirwatch import CREATED, DIR_GONE, DirWatch
 from agent.errors import IsolationError
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)  # pyinotify imports asyncore
-    import pyinotify
 
 log = logging.getLogger(__name__)
 
 # With the file's directory missing, look for it again this often.
 RETRY_S = 2.0
-_MASK = (pyinotify.IN_CLOSE_WRITE | pyinotify.IN_MOVED_TO | pyinotify.IN_MOVED_FROM
-         | pyinotify.IN_DELETE | pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF)
 _INDEX = re.compile(r"^\d+(:\d+)?$")
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+$")
 
@@ -116,14 +110,6 @@ def read(path: str) -> Isolation:
     return parse(text, path)
 
 
-class _Collect(pyinotify.ProcessEvent):
-    def my_init(self, sink: list) -> None:
-        self.sink = sink
-
-    def process_default(self, event) -> None:
-        self.sink.append((event.mask, event.name))
-
-
 class IsolationWatch:
     """A thread that calls on_change(isolation, None) after each change of the file at `path`,
     or on_change(None, error) when it is malformed. `start()` reads it once first, in the
@@ -135,9 +121,7 @@ class IsolationWatch:
         self.name = os.path.basename(path)
         self.on_change = on_change
         self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._events: list = []
-        self._wm: pyinotify.WatchManager | None = None
-        self._notifier: pyinotify.Notifier | None = None
+        self._watch_: DirWatch | None = None
         self._thread: threading.Thread | None = None
         self._missing_logged = False
 
@@ -156,7 +140,7 @@ class IsolationWatch:
         self.on_change(isolation, None)
 
     def _watch(self) -> bool:
-        if self._wm is not None:
+        if self._watch_ is not None:
             return True
         if not os.path.isdir(self.directory):
             if not self._missing_logged:
@@ -164,27 +148,19 @@ class IsolationWatch:
                          "%g s", self.directory, RETRY_S)
                 self._missing_logged = True
             return False
-        wm = pyinotify.WatchManager()
-        notifier = pyinotify.Notifier(wm, _Collect(sink=self._events), timeout=0)
         try:
-            wm.add_watch(self.directory, _MASK, quiet=False)
-        except pyinotify.WatchManagerError as exc:
-            notifier.stop()
-            log.warning("cannot watch %s with inotify (%s); looking again every %g s",
-                        self.directory, exc, RETRY_S)
+            self._watch_ = DirWatch(self.directory)
+        except OSError as exc:
+            log.warning("%s; looking again every %g s", exc, RETRY_S)
             return False
-        self._wm, self._notifier = wm, notifier
         log.info("watching the isolation file %s", self.path)
         self._missing_logged = False
         return True
 
     def _unwatch(self) -> None:
-        if self._notifier is not None:
-            try:
-                self._notifier.stop()
-            except OSError as exc:
-                log.debug("closing the isolation watch: %s", exc)
-        self._wm = self._notifier = None
+        if self._watch_ is not None:
+            self._watch_.close()
+        self._watch_ = None
 
     def _run(self) -> None:
         while True:
@@ -198,25 +174,22 @@ class IsolationWatch:
 
     def _step(self) -> bool:
         """Wait for a change and act on it; True when asked to stop."""
-        fds = [self._stop_r] + ([self._wm.get_fd()] if self._wm is not None else [])
+        fds = [self._stop_r] + ([self._watch_.fileno()] if self._watch_ is not None else [])
         ready, _, _ = select.select(fds, [], [], RETRY_S)
         if self._stop_r in ready:
             return True
-        if self._wm is None:
+        if self._watch_ is None:
             if self._watch():
                 self.reload()  # the directory appeared: the file may be there already
             return False
         if not ready:
             return False
-        while self._notifier.check_events(timeout=0):
-            self._notifier.read_events()
-            self._notifier.process_events()
-        events, self._events[:] = list(self._events), []
-        gone = any(mask & (pyinotify.IN_DELETE_SELF | pyinotify.IN_MOVE_SELF
-                           | pyinotify.IN_IGNORED) for mask, _ in events)
+        events = self._watch_.read()
+        gone = any(e.kind == DIR_GONE for e in events)
         if gone:
             self._unwatch()
-        if gone or any(name == self.name for _, name in events):
+        # a file being created is read once it is closed (WRITTEN), not half-written
+        if gone or any(e.name == self.name and e.kind != CREATED for e in events):
             self.reload()
         return False
 

@@ -152,9 +152,15 @@ class HealthMonitor:
         self._thread = threading.Thread(target=self._run, name="health-events", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set.
+        From the moment this is called the monitor changes nothing (no sink call, no
+        health.json write). With wait=False the rest happens in the background: a reload hands
+        over to a new monitor at once instead of waiting out the NVML event wait."""
         self._stop.set()
+        if not wait:
+            threading.Thread(target=self.stop, name="health-stop", daemon=True).start()
+            return
         stuck = False
         if self._thread is not None:
             self._thread.join(WAIT_MS / 1000 + 30)
@@ -450,7 +456,10 @@ class HealthMonitor:
 
     def _apply(self, why_healthy: str) -> None:
         """Send every change of health (or reason) to the sink as one batch, log each GPU's
-        transition once, record it, persist the faults."""
+        transition once, record it, persist the faults. Nothing once stopping: the monitor
+        that replaces this one (it registered its own event set first) owns the devices."""
+        if self._stop.is_set():
+            return
         changes = {}
         for device_id, device in self.devices.items():
             state = self._desired(device)

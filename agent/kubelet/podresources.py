@@ -25,8 +25,6 @@ from typing import Any, Callable
 
 import grpc
 
-from agent._proto.podresources.v1 import api_pb2 as pr
-from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.errors import AgentError, PodResourcesError, StateError
 from agent.host import boot_id
 from agent.state.journal import CHECKPOINT_FILE, Journal
@@ -56,14 +54,19 @@ class PodResourcesClient:
         self.socket_path = socket_path
         self.timeout = timeout
         self._channel: grpc.Channel | None = None
-        self._stub: pr_grpc.PodResourcesListerStub | None = None
+        self._stub: Any = None  # a PodResourcesListerStub once used
 
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
 
-    def _call(self, method: str, request: Any) -> Any:
+    def _call(self, method: str, request_type: str) -> Any:
+        # The generated modules load when kubelet is first asked, after registration: they
+        # are not on the start path.
+        from agent._proto.podresources.v1 import api_pb2 as pr
+        from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
+
         if not os.path.exists(self.socket_path):
             raise PodResourcesError("missing", f"kubelet's podresources socket "
                                                f"{self.socket_path} does not exist")
@@ -71,7 +74,7 @@ class PodResourcesClient:
             self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_OPTIONS)
             self._stub = pr_grpc.PodResourcesListerStub(self._channel)
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(getattr(pr, request_type)(), timeout=self.timeout)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -86,13 +89,13 @@ class PodResourcesClient:
 
     def list(self) -> list[PodDevices]:
         """Every container's devices per resource (kubelet's NUMA split merged later)."""
-        response = self._call("List", pr.ListPodResourcesRequest())
+        response = self._call("List", "ListPodResourcesRequest")
         return [PodDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
                 for pod in response.pod_resources for c in pod.containers for d in c.devices]
 
     def allocatable(self) -> dict[str, tuple[str, ...]]:
         """The device IDs kubelet can allocate, per resource (sorted)."""
-        response = self._call("GetAllocatableResources", pr.AllocatableResourcesRequest())
+        response = self._call("GetAllocatableResources", "AllocatableResourcesRequest")
         out: dict[str, set[str]] = {}
         for d in response.devices:
             out.setdefault(d.resource_name, set()).update(d.device_ids)

@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
+from agent.dirwatch import DIR_GONE, DirWatch
 from agent.errors import AgentError, RegistrationError
 from agent.kubelet.plugin import PluginServer
-from agent.kubelet.watch import DIR_GONE, SocketDirWatch
 from agent.rm.manager import ResourceManager
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class Registrar:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._watch: SocketDirWatch | None = None
-        self._watch_retry_at: float | None = None
+        self._watch: DirWatch | None = None
+        self._watch_retry_at: float | None = None  # also: None with no watch = not tried yet
         self._thread: threading.Thread | None = None
         self._synced = threading.Condition()
         self._synced_generation = -1
@@ -114,7 +114,12 @@ class Registrar:
     # -- the daemon's side --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._ensure_watch()
+        if self._thread is not None:
+            return
+        try:
+            os.makedirs(self.directory, mode=0o750, exist_ok=True)
+        except OSError as exc:  # the first pass reports what it means for the servers
+            log.error("cannot create the kubelet socket directory %s: %s", self.directory, exc)
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()
 
@@ -173,6 +178,11 @@ class Registrar:
             except Exception:  # a bug must not end registration for good: log, retry later
                 log.exception("registrar: unexpected error; retrying in %g s", WATCH_RETRY_S)
                 time.sleep(WATCH_RETRY_S)
+                continue
+            if self._watch is None and self._watch_retry_at is None:
+                # Registered first, watching second (start-up time); what changed in between
+                # is seen by the pass that follows, which reads the directory as it is.
+                self._ensure_watch()
                 continue
             timeout = self._next_due()
             for key, _ in self._selector.select(timeout):
@@ -317,7 +327,7 @@ class Registrar:
     def _ensure_watch(self) -> None:
         try:
             os.makedirs(self.directory, mode=0o750, exist_ok=True)
-            self._watch = SocketDirWatch(self.directory)
+            self._watch = DirWatch(self.directory)
         except OSError as exc:
             log.error("cannot watch the kubelet socket directory %s: %s; retrying in %g s",
                       self.directory, exc, WATCH_RETRY_S)

@@ -20,8 +20,6 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-import yaml
-
 from agent.rm.allocate import ResponseOptions, container_response
 from agent.rm.devices import Device
 
@@ -60,6 +58,8 @@ class SpecIndex:
 
 def _spec_devices(path: str) -> tuple[str, list[str]]:
     """(kind, device names) of one spec file; ValueError with the reason if it is not a spec."""
+    import yaml  # only where a cdi-* strategy has specs to read: not on every start
+
     with open(path, "rb") as f:
         raw = f.read()
     try:

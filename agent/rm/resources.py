@@ -12,12 +12,13 @@ import grpc nor serve anything.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from agent.config import Config
-from agent.errors import ConfigError, NvmlError
+from agent.errors import ConfigError, NvmlError, StateError
 from agent.nvml import discovery
-from agent.rm import cdi
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
@@ -55,14 +56,31 @@ def response_options(cfg: Config) -> ResponseOptions:
                            dev_root=cfg.dev_root)
 
 
-class Resources:
-    """The managers by resource name. `journal` records each Allocate (agent.state)."""
+# An Allocate that arrives before the allocation journal is loaded waits this long for it.
+JOURNAL_WAIT_S = 10.0
 
-    def __init__(self, journal: Callable | None = None):
-        self.journal = journal
+
+class Resources:
+    """The managers by resource name; each Allocate is recorded by the journal given to
+    `set_journal` (agent.state) before it is answered."""
+
+    def __init__(self) -> None:
+        self._journal: Callable | None = None
+        self._journal_set = threading.Event()
         self.managers: dict[str, ResourceManager] = {}
         self.gpus: list[discovery.Gpu] = []
         self.topology: TopologyModel | None = None
+
+    def set_journal(self, journal: Callable) -> None:
+        self._journal = journal
+        self._journal_set.set()
+
+    def _record(self, resource: str, allocations: list) -> object:
+        """The managers' journal hook. The journal loads after the first registration (it is
+        not on the start path): an Allocate that comes before it waits, then is recorded."""
+        if not self._journal_set.wait(JOURNAL_WAIT_S):
+            raise StateError(f"the allocation journal is not loaded after {JOURNAL_WAIT_S:g} s")
+        return self._journal(resource, allocations)
 
     @property
     def devices(self) -> list:
@@ -79,7 +97,7 @@ class Resources:
         for name, devices in devices_by_resource(self.gpus, cfg.resources.gpus).items():
             manager = self.managers.get(name)
             if manager is None:
-                manager = ResourceManager(name, devices, options, journal=self.journal,
+                manager = ResourceManager(name, devices, options, journal=self._record,
                                           topology=topology, **policies)
             else:
                 manager.reconfigure(devices, options, topology=topology, **policies)
@@ -111,11 +129,14 @@ class Resources:
         log.info("GPU topology: %s", self.topology.summary())
         return self.topology
 
-    def check_cdi(self, cfg: Config) -> cdi.CdiCheck | None:
+    def check_cdi(self, cfg: Config) -> Any:
         """With a cdi-* device-list strategy, check (at start and on every reload) that the
         toolkit's CDI spec defines every name Allocate hands out. A missing name is logged as
         an error with what to run, but is not fatal: the toolkit's nvidia-cdi-refresh may write
-        the spec moments later, and only containers given those devices are affected."""
+        the spec moments later, and only containers given those devices are affected. A
+        `cdi.CdiCheck`, or None without a cdi-* strategy."""
+        from agent.rm import cdi  # after registration: not on the start path
+
         found = cdi.check(self.devices, response_options(cfg), cfg.cdi_spec_dirs)
         if found is not None:
             level = log.error if not found.ok else log.warning if found.index.problems \
