@@ -25,10 +25,15 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP)
 
-# Compiles agent/_fast (Cython) and agent/sim/lib/libnvidia-ml.so.1 in place, and installs the
-# `gpu-agent` command into .venv (editable, so the tree is what runs).
+# Compiles agent/_fast (Cython) and agent/sim/lib/libnvidia-ml.so.1 in place, and puts the tree
+# on .venv's sys.path with a plain .pth line, so the tree is what runs (`.venv/bin/python -m
+# agent` is `gpu-agent`). Not `pip install -e`: its import hook costs every Python process
+# (each agent the tests start, the start-up bench) about 15 ms that an installed agent never
+# pays, and setuptools' hook-free mode is being removed.
+SITE = $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 build: $(STAMP)
-	$(VPY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@rm -f $(SITE)/__editable__*gpu_agent* $(SITE)/__editable__.gpu_agent-*.pth
+	@echo "$(CURDIR)" > $(SITE)/gpu-agent-tree.pth
 	$(VPY) setup.py -q build_ext --inplace
 
 lint: $(STAMP)
@@ -49,7 +54,7 @@ test-under-load: build lint rpm-tools
 	done
 
 demo: build
-	$(VENV)/bin/gpu-agent demo
+	$(VPY) -m agent demo
 
 # Regenerates agent/_proto from proto/ (committed; tests/test_proto.py fails when stale).
 proto: $(STAMP)

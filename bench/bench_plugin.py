@@ -196,8 +196,8 @@ def run() -> Section:
         f"{MANY_CALLERS} callers: {len(many)} calls in {wall:.2f} s "
         f"({len(many) / wall:.0f} Allocate/s); a single Python server process answers them "
         "one at a time under the GIL, so this is queueing time, not per-call cost.",
-        "The start figures include the interpreter start (about 25 ms here, 15 of them the "
-        "development tree's editable-install finder), the imports the start path needs (about "
+        "The start figures include the interpreter start (about 10 ms here), the imports the "
+        "start path needs (about "
         "110 ms: grpc 45, of which asyncio, which grpc's core imports, is 35; pynvml 12; "
         "protobuf 12; the agent's own modules 30), NVML init and discovery on the simulated "
         "library, and kubelet's dial-back. The journal, the CDI check, PyYAML, pyinotify and "

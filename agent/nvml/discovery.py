@@ -8,8 +8,8 @@ rest of the agent uses without touching NVML. Reads happen once per call of `dis
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import pynvml
 
@@ -72,12 +72,14 @@ def _call(fn, *args):
         raise nvml_error(exc.value, fn.__name__) from exc
 
 
-def _numa_node(handle, bus_id: str, sys_root: Path) -> int | None:
+def _numa_node(handle, bus_id: str, sys_root: str) -> int | None:
     """NUMA node of a GPU: sysfs first (what the kernel says), then NVML's memory affinity."""
     domain, rest = bus_id.split(":", 1)
-    sysfs = sys_root / "bus/pci/devices" / f"{int(domain, 16):04x}:{rest.lower()}" / "numa_node"
+    sysfs = os.path.join(sys_root, "bus/pci/devices", f"{int(domain, 16):04x}:{rest.lower()}",
+                         "numa_node")
     try:
-        node = int(sysfs.read_text().strip())
+        with open(sysfs) as f:
+            node = int(f.read().strip())
         return node if node >= 0 else None
     except (OSError, ValueError):
         pass
@@ -90,7 +92,7 @@ def _numa_node(handle, bus_id: str, sys_root: Path) -> int | None:
     return (word & -word).bit_length() - 1 if word else None
 
 
-def _read_gpu(index: int, sys_root: Path) -> Gpu:
+def _read_gpu(index: int, sys_root: str) -> Gpu:
     handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
     pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
     bus_id = _text(pci.busId)
@@ -124,7 +126,7 @@ def discover(sys_root: str = "/sys") -> list[Gpu]:
     gpus = []
     for index in range(_call(pynvml.nvmlDeviceGetCount)):
         try:
-            gpus.append(_read_gpu(index, Path(sys_root)))
+            gpus.append(_read_gpu(index, sys_root))
         except NvmlError as exc:
             if not exc.is_gpu_lost:
                 raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from pathlib import Path
 
 import pynvml
 
@@ -41,12 +40,12 @@ def resolve_library_path(driver_root: str = "/", explicit: str | None = None) ->
     """
     if explicit:
         return explicit
-    root = Path(driver_root or "/")
+    root = os.path.normpath(driver_root or "/")  # os.path, not pathlib: the start path
     for sub in _SEARCH_DIRS:
-        candidate = root / sub / LIB_NAME
-        if candidate.exists():
-            return str(candidate)
-    if str(root) == "/":
+        candidate = os.path.join(root, sub, LIB_NAME)
+        if os.path.exists(candidate):
+            return candidate
+    if root == "/":
         return LIB_NAME
     raise NvmlLibraryError(
         f"{LIB_NAME} not found under driver root {root} "
