@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
 import signal
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +27,7 @@ from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
 from agent.nvml.session import NvmlSession
 from agent.rm.resources import Resources, check_supported
+from agent.signals import Waiter
 from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
@@ -64,19 +63,12 @@ class Daemon:
         self.publisher = status.Publisher(self.notifier)
         self._registrations = 0  # seen in the registrar's status
         self._watchdog_at: float | None = None
-        self._selector = selectors.DefaultSelector()
-        self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._wake_lock = threading.Lock()
+        self._waiter: Waiter | None = None
 
     # -- start ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, lambda s, f: None)  # the wakeup fd carries the number
-        self._selector.register(self._sig_r, selectors.EVENT_READ, "signal")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._waiter = Waiter()
         try:
             self.cfg = load_config(self.args, self.environ)
             check_supported(self.cfg)
@@ -167,12 +159,7 @@ class Daemon:
     def _wake(self) -> None:
         """From any thread: something to publish; wake the loop."""
         self.publisher.dirty = True
-        with self._wake_lock:
-            if self._wake_w >= 0:
-                try:
-                    os.write(self._wake_w, b"w")
-                except BlockingIOError:
-                    pass  # the pipe is full: the loop is awake anyway
+        self._waiter.wake()
 
     def _loop(self) -> None:
         self.phase = "running"
@@ -181,10 +168,7 @@ class Daemon:
             now = time.monotonic()
             due = [t for t in (self.nvml.retry_at, self._watchdog_at) if t is not None]
             timeout = min([LOOP_TICK_S] + [max(0.0, t - now) for t in due])
-            for key, _ in self._selector.select(timeout):
-                signals = _drain(key.fd)
-                if key.data == "signal":
-                    self._on_signals(signals)
+            self._on_signals(self._waiter.wait(timeout))
             if self.stop_requested:
                 return
             now = time.monotonic()
@@ -196,7 +180,7 @@ class Daemon:
                 self._bring_up()
             self._publish()
 
-    def _on_signals(self, signals: bytes) -> None:
+    def _on_signals(self, signals: list[int]) -> None:
         for signum in signals:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 log.info("%s: stopping", signal.Signals(signum).name)
@@ -232,11 +216,7 @@ class Daemon:
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
                                socket_path=new.pod_resources_socket,
                                period=new.reconcile_interval)
-        for name in ("nvml_library", "driver_root"):
-            if getattr(old, name) != getattr(new, name) and self.nvml.up:
-                log.warning("%s changed from %s to %s: NVML stays loaded from %s until the "
-                            "agent restarts", name, getattr(old, name), getattr(new, name),
-                            self.nvml.path)
+        self.nvml.reconfigured(old, new)
         if self.nvml.up:
             if new.kubelet_socket != old.kubelet_socket and self.registrar is not None:
                 self.registrar.stop()  # another kubelet: serve beside its socket instead
@@ -251,7 +231,6 @@ class Daemon:
     def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping(status.summary(self))
-        signal.set_wakeup_fd(-1)
         self._stop_health()
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets
@@ -262,11 +241,7 @@ class Daemon:
         self.phase = "stopped"
         self.publisher.write(self)
         self.notifier.close()
-        with self._wake_lock:
-            for fd in (self._sig_r, self._sig_w, self._wake_r, self._wake_w):
-                os.close(fd)
-            self._wake_w = -1
-        self._selector.close()
+        self._waiter.close()
         log.info("gpu-agent stopped")
 
     # -- status and notifications ------------------------------------------------------------
@@ -286,13 +261,6 @@ class Daemon:
                 n in registered and registered[n].registered for n in self.resources.managers):
             self._send_ready()
         self.publisher.publish(self)
-
-
-def _drain(fd: int) -> bytes:
-    try:
-        return os.read(fd, 4096)  # more waiting: select() reports the pipe again
-    except BlockingIOError:
-        return b""
 
 
 def run(args: Any, environ: Mapping[str, str] | None = None) -> int:

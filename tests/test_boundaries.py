@@ -24,7 +24,7 @@ RANK = {
     "rm": 3, "health": 3, "state": 3,
     "nvml": 4,
     "_fast": 5,
-    "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7,
+    "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -34,6 +34,7 @@ FORBIDDEN = {
     "constants": set(RANK) - {"constants"},
     "fileio": set(RANK) - {"fileio", "errors", "constants"},
     "dirwatch": set(RANK) - {"dirwatch"},
+    "signals": set(RANK) - {"signals"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors", "constants"},
     "host": set(RANK) - {"host", "errors"},

@@ -66,6 +66,15 @@ class NvmlSession:
         self.error = message
         return delay
 
+    def reconfigured(self, old, new) -> None:
+        """A reload changed the config: a process holds one NVML library, so say when the
+        library path or the driver root changed and what stays in force until a restart."""
+        for name in ("nvml_library", "driver_root"):
+            if getattr(old, name) != getattr(new, name) and self.up:
+                log.warning("%s changed from %s to %s: NVML stays loaded from %s until the "
+                            "agent restarts", name, getattr(old, name), getattr(new, name),
+                            self.path)
+
     def rediscover(self, known: list[discovery.Gpu]) -> list[discovery.Gpu]:
         """The GPUs now (a reload), or `known` when discovery fails."""
         try:
