@@ -105,6 +105,28 @@ def test_a_renamed_resource_is_served_before_the_old_name_goes(node):
     assert agent.alive() and agent.stop() == 0
 
 
+def test_a_reload_to_another_kubelet_moves_every_server_there(node):
+    with Node() as other:
+        def config(n: Node) -> str:
+            return node.write("config.yaml", f"version: v1\nflags:\n  plugin:\n"
+                                             f"    kubeletSocket: {n.kubelet_socket}\n"
+                                             f"agent:\n  podResourcesSocket: "
+                                             f"{n.podresources_socket}\n")
+        agent = node.agent("--config", config(node), kubelet=False)
+        agent.wait_registered(1)
+        config(other)
+        agent.send(signal.SIGHUP)
+        agent.wait_log("configuration reloaded (reload 1)")
+        res = other.client.wait_for(
+            lambda s: s.resource(GPU) is not None and s.resource(GPU).allocatable == 8,
+            timeout=WAIT, what="the agent registered with the other kubelet").resource(GPU)
+        assert res.connected and res.registrations == 1
+        pod = other.client.admit_pod("p", {"main": {GPU: 1}})  # its devices serve there
+        assert len(pod.container("main").allocation(GPU).device_ids) == 1
+        assert not node.client.state().resource(GPU).connected
+        assert agent.alive() and agent.stop() == 0
+
+
 def _restart_twice(node: Node, gap_s: float, after_our_socket: bool) -> None:
     """Two kubelet starts, as a service manager restarting a kubelet that failed right after
     it started: the second `gap_s` after the first, or `gap_s` after the agent re-created its

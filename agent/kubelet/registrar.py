@@ -152,8 +152,7 @@ class Registrar:
             self._thread.join(RETRY_MAX_S + 5.0)
             self._thread = None
         for p in list(self._plugins.values()):
-            self._stop_server(p, "stopping")
-            p.manager.close()
+            self._stop_server(p, "stopping")  # its streams end; the manager is not ours
         self._plugins = {}
         self._close_watch()
         self._selector.close()
@@ -225,7 +224,6 @@ class Registrar:
         for name in [n for n in self._plugins if n not in wanted.managers]:
             p = self._plugins[name]
             self._stop_server(p, "resource no longer advertised")
-            p.manager.close()
             with self._lock:
                 del self._plugins[name]
             log.info("%s: no longer advertised; its server stopped", name)
