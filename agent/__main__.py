@@ -119,6 +119,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from agent.state.cli import add_cli as add_state_cli
 
     add_state_cli(sub)
+
+    from agent.doctor import add_cli as add_doctor_cli  # the checks load when doctor runs
+
+    add_doctor_cli(sub)
     return parser
 
 

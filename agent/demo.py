@@ -2,9 +2,10 @@
 
 Owns: the walk-through and its short tables. It starts the simulated kubelet and the agent
 (`gpu-agent run`) as real subprocesses, loads the simulated NVML in this process to show what
-the node looks like, admits a pod through the simulated kubelet, restarts the kubelet, and
-drives faults through `gpu-agent sim`. Must not contain agent logic: it only shows what the
-parts do, as an operator would see them.
+the node looks like, admits a pod through the simulated kubelet, restarts the kubelet, drives
+faults through `gpu-agent sim`, and ends with `gpu-agent doctor` on the node (a simulated
+driver tree from agent.sim.driver_tree, the simulated kubelet, the simulated NVML). Must not
+contain agent logic: it only shows what the parts do, as an operator would see them.
 """
 
 from __future__ import annotations
@@ -77,12 +78,41 @@ def _registered(count: int):
     return check
 
 
+def _doctor(work: Path, tree, config_args: list[str], lib: str) -> int:
+    """Step 9: `gpu-agent doctor` on the simulated node, then on the same node without its
+    /dev/char links; the exit code of the first run."""
+    argv = [sys.executable, "-m", "agent", "doctor", "--root", tree.root, *config_args]
+    shown = " ".join(["gpu-agent", *argv[3:]]).replace(lib, "$(gpu-agent sim lib-path)") \
+        .replace(str(work), "$W")
+    say("9. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
+        f"  {shown}\n  (--root: the simulated driver tree, device nodes recorded with their "
+        f"major:minor, /dev/char links, containerd config, toolkit stubs; the rest is the "
+        f"agent's own configuration)")
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    print("\n".join("    " + line for line in first.stdout.splitlines()))
+    links = sorted({tree.char_link(p) for p, _, _ in tree.nodes})
+    for link in links:
+        os.unlink(link)
+    print(f"\n  The same node without its {len(links)} /dev/char links (nothing created them, "
+          f"as on many hosts): `systemctl daemon-reload` would take the GPUs from running "
+          f"containers; the doctor says so and names the fix:")
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    lines = second.stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if "devices.dev-char" in line), None)
+    if at is not None:
+        shown_lines = [lines[at]] + [line for line in lines[at + 1:at + 3]
+                                     if line.startswith(" " * 10)]
+        print("\n".join("    " + line for line in shown_lines))
+    print(f"    ... {lines[-1] if lines else ''}")
+    return first.returncode
+
+
 def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
     import pynvml
 
     from agent import _fast
     from agent.nvml import discovery, library
-    from agent.sim import control, lib_path
+    from agent.sim import control, driver_tree, lib_path
     from agent.sim.kubelet import SimKubeletClient
 
     work = Path(tempfile.mkdtemp(prefix="gademo"))
@@ -125,9 +155,15 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
         print(f"  listening on {dp_dir / 'kubelet.sock'} (pid {kubelet.pid}); "
               f"registered device plugins: {len(state.registrations)}")
 
-        agent_args = ["run", "--kubelet-socket", str(dp_dir / "kubelet.sock"),
-                      "--nvml-library", path, "--state-dir", str(work / "state"),
-                      "--device-list-strategy", "envvar,cdi-cri", "--recovery-quiet-period", "1s",
+        # The host's files as the driver, the toolkit and containerd leave them (device nodes,
+        # /dev/char links, config.toml, the CDI spec), for the agent's CDI check and the doctor.
+        tree = driver_tree.build(str(work / "root"), profile)
+        config_args = ["--kubelet-socket", str(dp_dir / "kubelet.sock"),
+                       "--pod-resources-socket", str(dp_dir / "pod-resources" / "kubelet.sock"),
+                       "--nvml-library", path, "--state-dir", str(work / "state"),
+                       "--device-list-strategy", "envvar,cdi-cri",
+                       "--cdi-spec-dirs", tree.path("/etc/cdi")]
+        agent_args = ["run", *config_args, "--recovery-quiet-period", "1s",
                       "--unhealthy-devices-file", str(work / "unhealthyDevices.json")]
         say("4. The agent registers with kubelet",
             f"  W={work}\n  gpu-agent " + " ".join(agent_args).replace(path, "$(gpu-agent sim lib-path)")
@@ -235,7 +271,9 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                       res.allocatable,
                       f"GPUs {', '.join(str(by_uuid[d].index) for d in state.pod('trainer').devices(RESOURCE))}"]]))
 
-        say("9. Clean stop")
+        doctor_code = _doctor(work, tree, config_args, path)
+
+        say("10. Clean stop")
         agent.send_signal(signal.SIGTERM)
         agent_code = agent.wait(10)
         gone = not (dp_dir / "gpu-agent-gpu.sock").exists()
@@ -248,7 +286,7 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
         client.close()
         print(f"  simulated kubelet stopped (exit {code}); NVML shut down")
         library.shutdown()
-        return 0 if code == 0 and agent_code == 0 and gone else 1
+        return 0 if code == 0 and agent_code == 0 and gone and doctor_code == 0 else 1
     finally:
         if agent is not None:
             agent.kill()

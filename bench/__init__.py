@@ -24,6 +24,17 @@ class Section:
     notes: list[str] = field(default_factory=list)
 
 
+def sim_node_env(work: str, profile: str = "dgx1-v100") -> tuple[str, str, dict]:
+    """(kubelet dir, simulated NVML control dir, environment) of a simulated node under
+    `work`: this environment without anything that configures the agent or systemd."""
+    kdir, ctl_dir = os.path.join(work, "kd"), os.path.join(work, "ctl")
+    os.makedirs(ctl_dir)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPU_AGENT_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+    env.update(GPU_AGENT_SIM_PROFILE=profile, GPU_AGENT_SIM_CONTROL=ctl_dir)
+    return kdir, ctl_dir, env
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank, of a non-empty sample list."""
     ordered = sorted(samples)

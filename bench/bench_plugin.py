@@ -27,7 +27,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, allocate_concurrently, percentile
+from bench import Section, allocate_concurrently, percentile, sim_node_env
 
 RESOURCE = "nvidia.com/gpu"
 STARTS = 10
@@ -113,12 +113,7 @@ def run() -> Section:
         header=["measure", "median", "p99 / worst", "target", "met"],
     )
     work = tempfile.mkdtemp(prefix="gab", dir="/tmp")
-    kdir = os.path.join(work, "kd")
-    ctl_dir = os.path.join(work, "ctl")
-    os.makedirs(ctl_dir)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("GPU_AGENT_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
-    env.update(GPU_AGENT_SIM_PROFILE="dgx1-v100", GPU_AGENT_SIM_CONTROL=ctl_dir)
+    kdir, _, env = sim_node_env(work)
     kubelet = SimKubelet(kdir)
     kubelet.start()
     client = SimKubeletClient(kdir)

@@ -18,7 +18,8 @@ def test_demo_walks_through_and_exits_zero(profile):
     out = proc.stdout
     steps = ("1. Simulated GPU node", "2. Topology", "3. Simulated kubelet",
              "4. The agent registers with kubelet", "5. Devices as kubelet sees them",
-             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. Clean stop")
+             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. gpu-agent doctor",
+             "10. Clean stop")
     positions = [out.find(f"== {step}") for step in steps]
     assert -1 not in positions and positions == sorted(positions), out
     assert "nvidia.com/gpu  gpu-agent-gpu.sock  1              yes" in out  # registered
@@ -32,6 +33,8 @@ def test_demo_walks_through_and_exits_zero(profile):
                      r"allocatable 7/8", out), out
     assert "and a passing NVML probe it is back, allocatable 8/8" in out
     assert re.search(r"nvidia.com/gpu  2 +open +8 +GPUs " + picked.group(1), out), out
+    assert re.search(r"0 warn, 0 fail, \d+ skip: exit 0", out), out  # gpu-agent doctor
+    assert "FAIL  devices.dev-char" in out  # ... and the node without its /dev/char links
     assert "gpu-agent: SIGTERM → exit 0; its socket removed: yes" in out
     assert "simulated kubelet stopped (exit 0)" in out
     if profile == "dgx1-v100":
