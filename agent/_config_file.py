@@ -212,6 +212,7 @@ SCHEMA: dict = {
         "stateDir": OPTION,
         "nvmlLibrary": OPTION,
         "cdiSpecDirs": OPTION,
+        "devCharSymlinks": OPTION,
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,

@@ -32,6 +32,7 @@ from agent.constants import (
     DEFAULT_ALLOCATION_POLICY,
     DEFAULT_CDI_ANNOTATION_PREFIX,
     DEFAULT_CDI_SPEC_DIRS,
+    DEFAULT_DEV_CHAR_SYMLINKS,
     DEFAULT_DEVICE_ID_STRATEGY,
     DEFAULT_DEVICE_LIST_STRATEGIES,
     DEFAULT_DRIVER_ROOT,
@@ -209,6 +210,13 @@ OPTIONS: tuple[Option, ...] = (
         PathListKind(), DEFAULT_CDI_SPEC_DIRS,
         "where nvidia-container-toolkit's CDI specs are, checked with a cdi-* device-list "
         "strategy (later directories take precedence, as in the CDI spec)",
+    ),
+    Option(
+        "dev_char_symlinks", "--dev-char-symlinks", "GPU_AGENT_DEV_CHAR_SYMLINKS",
+        "agent.devCharSymlinks", BoolKind(), DEFAULT_DEV_CHAR_SYMLINKS,
+        "create the missing /dev/char/MAJOR:MINOR links of the NVIDIA device nodes under "
+        "the device-node root, at start and when nodes appear, so that containers keep their "
+        "GPUs across `systemctl daemon-reload` (nvidia-ctk system create-dev-char-symlinks)",
     ),
 )
 

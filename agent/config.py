@@ -97,6 +97,7 @@ class Config:
     recovery_quiet_period: float  # seconds
     unhealthy_devices_file: str  # "": no isolation file
     cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first
+    dev_char_symlinks: bool  # create missing /dev/char links of the NVIDIA nodes (agent.devchar)
     resources: Resources
     sharing: Sharing
     imex: Imex

@@ -62,3 +62,5 @@ DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 DEFAULT_RECONCILE_INTERVAL_S = 60.0
 # A GPU withdrawn for a reset-class error stays free of critical events this long to return.
 DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
+# Create the missing /dev/char links of the NVIDIA device nodes (agent.devchar; why: docs).
+DEFAULT_DEV_CHAR_SYMLINKS = True

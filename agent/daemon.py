@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agent import __version__, status
+from agent import __version__, devchar, status
 from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError
 from agent.health.monitor import HealthMonitor, monitor_from_config
@@ -57,6 +57,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.registrar: Registrar | None = None
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
+        self.dev_char: devchar.DevCharLinks | None = None  # /dev/char links (daemon-reload)
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -80,6 +81,7 @@ class Daemon:
                 log.warning("cannot create the state directory %s: %s", self.cfg.state_dir, exc)
             self._bring_up(first=True)  # registered as early as can be ...
             self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
+            self._start_dev_char()
             if self.notifier.watchdog_interval:
                 self._watchdog_at = time.monotonic()
             self._loop()
@@ -209,8 +211,20 @@ class Daemon:
         if new is not None:
             log.info("configuration reloaded (reload %d)", self.reloads)
 
+    def _start_dev_char(self) -> None:
+        """Create the missing /dev/char links of the NVIDIA nodes, now and as nodes appear
+        (agent.devchar): containers keep their GPUs across `systemctl daemon-reload`."""
+        if self.dev_char is not None:
+            self.dev_char.stop()
+        self.dev_char = devchar.from_config(self.cfg, on_change=self._wake)
+        if self.dev_char is not None:
+            self.dev_char.start()
+            self._wake()
+
     def _apply_config(self, new: Config) -> None:
         old, self.cfg = self.cfg, new
+        if devchar.changed(old, new):
+            self._start_dev_char()
         self.reloads += 1
         self.last_error = ""
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
@@ -238,6 +252,8 @@ class Daemon:
         if self.state is not None:
             self.state.close()
         self.nvml.close()
+        if self.dev_char is not None:
+            self.dev_char.stop()  # the links stay
         self.phase = "stopped"
         self.publisher.write(self)
         self.notifier.close()

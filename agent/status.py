@@ -95,6 +95,7 @@ def document(d: Any) -> dict:
         "state": d.state.status() if d.state is not None else None,
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
         "health": d.health.status() if d.health is not None else None,
+        "devChar": d.dev_char.status() if getattr(d, "dev_char", None) is not None else None,
     }
 
 

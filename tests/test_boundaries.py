@@ -25,6 +25,7 @@ RANK = {
     "nvml": 4,
     "_fast": 5,
     "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,
+    "devchar": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -34,6 +35,7 @@ FORBIDDEN = {
     "constants": set(RANK) - {"constants"},
     "fileio": set(RANK) - {"fileio", "errors", "constants"},
     "dirwatch": set(RANK) - {"dirwatch"},
+    "devchar": set(RANK) - {"devchar", "errors", "constants", "dirwatch"},
     "signals": set(RANK) - {"signals"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors", "constants"},

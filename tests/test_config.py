@@ -150,6 +150,7 @@ PRECEDENCE = {
                                ("/srv/iso.json", "", "/flag/iso.json")),
     "cdi_spec_dirs": (["/etc/cdi"], "/env/cdi,/run/cdi", "/flag/cdi",
                       (("/etc/cdi",), ("/env/cdi", "/run/cdi"), ("/flag/cdi",))),
+    "dev_char_symlinks": (False, "true", "false", (False, True, False)),
 }
 
 
@@ -942,6 +943,7 @@ VALUES = {
                                    max_size=3).map(lambda d: tuple(sorted(d.items()))),
     "recovery_quiet_period": st.sampled_from((0.0, 1.0, 60.0, 90.5)),
     "unhealthy_devices_file": st.one_of(st.just(""), ABS_PATH),
+    "dev_char_symlinks": st.booleans(),
 }
 LAYERS = ("file", "env", "flag")
 

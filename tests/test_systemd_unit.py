@@ -129,6 +129,71 @@ def test_privileges_devices_and_system_calls():
     assert words(SERVICE, "RestrictAddressFamilies") == ["AF_UNIX", "AF_INET", "AF_INET6"]
 
 
+# What the agent does in /dev: agent.devchar adds the missing /dev/char/<major>:<minor> links
+# of the NVIDIA device nodes (mkdir /dev/char if missing, symlink, readlink, stat, inotify on /dev
+# and /dev/nvidia-caps).
+DEV_CHAR_SYSCALLS = ("mkdir", "mkdirat", "symlink", "symlinkat", "readlink", "readlinkat",
+                     "lstat", "newfstatat", "statx", "chmod", "fchmodat", "getdents64",
+                     "inotify_init1", "inotify_add_watch", "inotify_rm_watch")
+# Settings that could take /dev (or /dev/char) away from the agent or make it read-only.
+DEV_HIDING_KEYS = ("PrivateDevices", "ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem",
+                   "BindReadOnlyPaths", "BindPaths", "RootDirectory", "RootImage",
+                   "MountAPIVFS", "User", "DynamicUser")
+
+
+def test_dev_char_links_need_no_more_than_the_unit_gives():
+    assert OPTIONS_BY_NAME["dev_char_symlinks"].default is True
+    # ProtectSystem=strict leaves the API file systems /dev, /proc and /sys writable (man
+    # systemd.exec); nothing else touches /dev, and the agent runs as root, /dev/char's owner,
+    # so it needs no capability (the bounding set stays empty) and no ReadWritePaths= entry.
+    assert one("ProtectSystem") == "strict"
+    for key in DEV_HIDING_KEYS:
+        assert key not in SERVICE, key
+    assert not any(p == "/dev" or p.startswith("/dev/") for p in words(SERVICE, "ReadWritePaths"))
+    assert SERVICE["CapabilityBoundingSet"] == [""]
+    assert "/dev/char" in UNIT.read_text()  # the comment that says all this
+
+
+def _syscall_groups() -> dict[str, set[str]]:
+    """`systemd-analyze syscall-filter`: each @group -> its entries (calls and @groups)."""
+    out = analyze("syscall-filter").stdout
+    groups: dict[str, set[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if line.startswith("@"):
+            current = groups.setdefault(line.strip(), set())
+        elif current is not None and line.startswith(" ") and not line.strip().startswith("#"):
+            current.add(line.strip())
+        elif not line.strip():
+            current = None
+    return groups
+
+
+def _expand(groups: dict[str, set[str]], names: list[str]) -> set[str]:
+    calls, todo, seen = set(), list(names), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name.startswith("@"):
+            todo += sorted(groups[name])
+        else:
+            calls.add(name)
+    return calls
+
+
+@needs_analyze
+def test_the_system_call_filter_lets_the_agent_make_dev_char_links():
+    groups = _syscall_groups()
+    filters = SERVICE["SystemCallFilter"]
+    allowed = _expand(groups, filters[0].split())
+    denied = _expand(groups, [w for f in filters[1:] for w in f.lstrip("~").split()])
+    assert all(f.startswith("~") for f in filters[1:])
+    missing = [c for c in DEV_CHAR_SYSCALLS if c not in allowed or c in denied]
+    assert not missing, f"the unit's SystemCallFilter= denies {missing}"
+
+
 def test_it_runs_what_the_package_installs_with_a_command_line_the_agent_takes():
     argv = shlex.split(one("ExecStart"))
     assert argv[0] == "/usr/bin/gpu-agent"
