@@ -34,7 +34,7 @@ class Waiter:
         """Sleep until a signal, a wake() or `timeout` s; the signals that arrived, in order."""
         signals: list[int] = []
         for key, _ in self._selector.select(timeout):
-            data = _drain(key.fd)
+            data = drain(key.fd)
             if key.fd == self._sig_r:
                 signals += list(data)
         return signals
@@ -58,7 +58,8 @@ class Waiter:
         self._selector.close()
 
 
-def _drain(fd: int) -> bytes:
+def drain(fd: int) -> bytes:
+    """What a non-blocking pipe holds now (up to 4 KiB), without blocking."""
     try:
         return os.read(fd, 4096)  # more waiting: select() reports the pipe again
     except BlockingIOError:

@@ -32,6 +32,7 @@ from agent.dirwatch import DIR_GONE, DirWatch
 from agent.errors import AgentError, RegistrationError
 from agent.kubelet.plugin import PluginServer
 from agent.rm.manager import ResourceManager
+from agent.signals import drain
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class Registrar:
             timeout = self._next_due()
             for key, _ in self._selector.select(timeout):
                 if key.data == "wake":
-                    _drain(self._wake_r)
+                    drain(self._wake_r)
                 elif self._watch is not None:
                     self._on_dir_events()
 
@@ -340,10 +341,3 @@ class Registrar:
             self._watch.close()
             self._watch = None
 
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass

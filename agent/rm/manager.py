@@ -77,9 +77,7 @@ class ResourceManager:
         self.by_id = {d.id: d for d in self.devices}
         # The node's link model, built once per device set (agent.rm.topology); without one,
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
-        if topology is None or not topology.covers(d.gpu_uuid for d in self.devices):
-            topology = TopologyModel.numa_only(self.devices)
-        self.topology = topology
+        self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
         self._cond = threading.Condition()
         self._version = 1
@@ -158,8 +156,7 @@ class ResourceManager:
         a new version, so open ListAndWatch streams send it. Devices that stay keep their
         health. True when the advertised list changed."""
         devices = tuple(devices)
-        if topology is None or not topology.covers(d.gpu_uuid for d in devices):
-            topology = TopologyModel.numa_only(devices)
+        topology = _fitting(topology, devices)
         with self._cond:
             self.options, self.topology = options, topology
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
@@ -197,3 +194,10 @@ class ResourceManager:
                                      self.by_id, model=self.topology,
                                      policy=self.allocation_policy,
                                      replica_policy=self.replica_policy) for r in requests]
+
+
+def _fitting(topology: TopologyModel | None, devices: Sequence[Device]) -> TopologyModel:
+    """`topology` when it knows every GPU behind `devices`, else a NUMA-only model of them."""
+    if topology is None or not topology.covers(d.gpu_uuid for d in devices):
+        return TopologyModel.numa_only(devices)
+    return topology
