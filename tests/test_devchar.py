@@ -321,7 +321,9 @@ def test_permission_denied_is_a_problem_too(tree, monkeypatch):
 def test_a_node_that_appears_later_gets_its_link_and_the_status_is_published(tree, started):
     host(tree, [("/dev/nvidiactl", 195, 255), ("/dev/nvidia0", 195, 0)])
     published = []
-    links = started(tree.links(on_change=lambda: published.append(links.status()["created"])))
+    # made before it starts: its watch thread may publish before started() returns
+    links = tree.links(on_change=lambda: published.append(links.status()["created"]))
+    started(links)
     assert set(tree.entries()) == {"195:255", "195:0"}
     assert wait_for(lambda: links.status()["watching"] == [tree.path("/dev")])
     assert wait_for(lambda: published == [2])  # the watch started: status() changed
