@@ -11,7 +11,6 @@ agent.config), and must not import anything of `agent` but errors and the _confi
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -254,12 +253,12 @@ COMPAT_KEYS = tuple(key for key, spec in _schema_leaves(SCHEMA) if isinstance(sp
 # Resource names and device references, as NVIDIA checks them.
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_DNS_SUBDOMAIN = rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$"
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-_GPU_UUID = re.compile(rf"^GPU-{_UUID}$")
-_MIG_UUID = re.compile(rf"^MIG-({_UUID}|GPU-{_UUID}/\d+/\d+)$")
-_GPU_INDEX = re.compile(r"^\d+$")
-_MIG_INDEX = re.compile(r"^\d+:\d+$")
+_GPU_UUID = rf"^GPU-{_UUID}$"
+_MIG_UUID = rf"^MIG-({_UUID}|GPU-{_UUID}/\d+/\d+)$"
+_GPU_INDEX = r"^\d+$"
+_MIG_INDEX = r"^\d+:\d+$"
 
 
 def resource_name(value: Any) -> str:
@@ -274,7 +273,7 @@ def resource_name(value: Any) -> str:
                            f"{RESOURCE_PREFIX}/ are supported")
     if len(full) > MAX_RESOURCE_NAME:
         raise InvalidValue(f"{full!r} is longer than {MAX_RESOURCE_NAME} characters")
-    if not _DNS_SUBDOMAIN.match(short):
+    if not re.match(_DNS_SUBDOMAIN, short):
         raise InvalidValue(f"{name!r} is not a valid resource name: after {RESOURCE_PREFIX}/ use "
                            f"lower-case letters, digits, '-' and '.', starting and ending with a "
                            f"letter or digit")
@@ -288,8 +287,8 @@ def device_ref(value: Any) -> str:
             raise InvalidValue(f"{value} is not a GPU index (must be >= 0)")
         return str(value)
     if isinstance(value, str) and (
-        _GPU_INDEX.match(value) or _MIG_INDEX.match(value)
-        or _GPU_UUID.match(value) or _MIG_UUID.match(value)
+        re.match(_GPU_INDEX, value) or re.match(_MIG_INDEX, value)
+        or re.match(_GPU_UUID, value) or re.match(_MIG_UUID, value)
     ):
         return value
     raise InvalidValue(f"{describe(value)} is not a GPU index, a MIG index (GPU:MIG) or a "
@@ -426,6 +425,8 @@ class _Reader:
             if not isinstance(name, str):
                 raise self.fail(child, f"unknown key {name!r} (a {describe(name)}; keys are "
                                        f"strings: quote it if it should be one)")
+            import difflib  # only for the error
+
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             if close:
                 raise self.fail(child, f"unknown key (did you mean {close[0]!r}?)")

@@ -10,7 +10,6 @@ the value came from.
 
 from __future__ import annotations
 
-import decimal
 import re
 from typing import Any
 
@@ -266,7 +265,7 @@ class StringListKind(Kind):
 
 
 # Go's time.ParseDuration: a sequence of decimal numbers with units, e.g. "60s", "1m30s".
-_GO_DURATION = re.compile(r"^[+]?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+$")
+_GO_DURATION = r"^[+]?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+$"
 
 
 class DurationKind(Kind):
@@ -280,13 +279,13 @@ class DurationKind(Kind):
             if value < 0:
                 raise InvalidValue(f"{value} is negative; a duration must be >= 0")
             return f"{value}ns"
-        if value != "0" and not _GO_DURATION.match(value):
+        if value != "0" and not re.match(_GO_DURATION, value):
             hint = "; it must not be negative" if value.startswith("-") else ""
             raise InvalidValue(f"{value!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
         return value
 
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)"
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
                  "m": 60.0, "h": 3600.0}
 
@@ -309,10 +308,10 @@ class IntervalKind(Kind):
 
     def from_text(self, text: Any) -> float:
         text = expect_str(text)
-        if text != "0" and not _GO_DURATION.match(text):
+        if text != "0" and not re.match(_GO_DURATION, text):
             hint = "; it must not be negative" if text.startswith("-") else ""
             raise InvalidValue(f"{text!r} is not a duration such as \"60s\" or \"1m30s\"{hint}")
-        seconds = float(sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text)))
+        seconds = float(sum(float(n) * _UNIT_SECONDS[u] for n, u in re.findall(_DURATION_PART, text)))
         if 0 < seconds < self.minimum:
             raise InvalidValue(f"{text!r} is too short: use 0 (off) or at least {self.minimum:g}s")
         return seconds
@@ -320,6 +319,8 @@ class IntervalKind(Kind):
     def to_text(self, value: Any) -> str:
         if not value:
             return "0"
+        import decimal  # 3 ms to import; only for writing a config back
+
         digits = format(decimal.Decimal(repr(float(value))), "f")
         if "." in digits:
             digits = digits.rstrip("0").rstrip(".")

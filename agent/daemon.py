@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agent import __version__, devchar, status
+from agent import __version__, status
 from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError
 from agent.health.monitor import HealthMonitor, monitor_from_config
@@ -57,7 +57,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.registrar: Registrar | None = None
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
-        self.dev_char: devchar.DevCharLinks | None = None  # /dev/char links (daemon-reload)
+        self.dev_char: Any = None  # agent.devchar.DevCharLinks: /dev/char links
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -214,6 +214,8 @@ class Daemon:
     def _start_dev_char(self) -> None:
         """Create the missing /dev/char links of the NVIDIA nodes, now and as nodes appear
         (agent.devchar): containers keep their GPUs across `systemctl daemon-reload`."""
+        from agent import devchar  # after the registration
+
         if self.dev_char is not None:
             self.dev_char.stop()
         self.dev_char = devchar.from_config(self.cfg, on_change=self._wake)
@@ -222,6 +224,8 @@ class Daemon:
             self._wake()
 
     def _apply_config(self, new: Config) -> None:
+        from agent import devchar  # imported by the start already
+
         old, self.cfg = self.cfg, new
         if devchar.changed(old, new):
             self._start_dev_char()

@@ -147,7 +147,7 @@ def test_resource_patterns_match_the_whole_product_name(pattern, product, matche
 
 def test_first_matching_pattern_wins_and_others_keep_nvidia_gpu():
     gpus = make_gpus([0, 0]) + make_gpus([1], name="NVIDIA A100-SXM4-80GB")
-    gpus[2] = Gpu(**{**gpus[2].__dict__, "index": 2, "uuid": "GPU-a100"})
+    gpus[2] = gpus[2]._replace(index=2, uuid="GPU-a100")
     patterns = [ResourcePattern("*A100*", "nvidia.com/a100"),
                 ResourcePattern("*", "nvidia.com/other")]
     grouped = devices_by_resource(gpus, patterns)

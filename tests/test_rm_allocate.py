@@ -35,7 +35,7 @@ def test_one_device_per_gpu_with_uuid_ids_and_minor_based_nodes():
 
 
 def test_mig_enabled_gpus_are_not_full_gpu_devices():
-    mig = Gpu(**{**GPUS[0].__dict__, "mig_enabled": True})
+    mig = GPUS[0]._replace(mig_enabled=True)
     assert full_gpu_devices([mig, GPUS[1]]) == [BY_ID[GPUS[1].uuid]]
 
 

@@ -18,8 +18,7 @@ import re
 import select
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from agent.dirwatch import CREATED, DIR_GONE, DirWatch
 from agent.errors import IsolationError
@@ -28,12 +27,11 @@ log = logging.getLogger(__name__)
 
 # With the file's directory missing, look for it again this often.
 RETRY_S = 2.0
-_INDEX = re.compile(r"^\d+(:\d+)?$")
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+$")
+_INDEX = r"^\d+(:\d+)?$"
+_UUID = r"^(GPU|MIG)-[0-9A-Za-z/-]+$"
 
 
-@dataclass(frozen=True)
-class Isolation:
+class Isolation(NamedTuple):
     """What the file names: GPU/MIG indexes (as text) and GPU/MIG UUIDs."""
 
     indexes: frozenset[str] = frozenset()
@@ -76,13 +74,13 @@ def parse(text: str, path: str) -> Isolation:
     for i, item in enumerate(_list(doc, "index", path)):
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
             indexes.add(str(item))
-        elif isinstance(item, str) and _INDEX.match(item.strip()):
+        elif isinstance(item, str) and re.match(_INDEX, item.strip()):
             indexes.add(item.strip())
         else:
             raise IsolationError(f"{path}: index[{i}]: {item!r} is not a GPU index (3) or a MIG "
                                  f"index (\"3:1\")")
     for i, item in enumerate(_list(doc, "uuid", path)):
-        if isinstance(item, str) and _UUID.match(item.strip()):
+        if isinstance(item, str) and re.match(_UUID, item.strip()):
             uuids.add(item.strip())
         else:
             raise IsolationError(f"{path}: uuid[{i}]: {item!r} is not a GPU- or MIG- UUID")

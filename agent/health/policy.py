@@ -150,8 +150,10 @@ class XidPolicy:
         """What XID `xid` does. DP_ENABLE_HEALTHCHECKS forces it to withdraw (an ignore- or
         application-class XID becomes reset-class), DP_DISABLE_HEALTHCHECKS forces it to be
         ignored, in NVIDIA's order (enabled beats disabled)."""
+        return self._action(xid, *self._nvidia())
+
+    def _action(self, xid: int, disabled: dict[int, bool], enabled: dict[int, bool]) -> str:
         base = self.base_action(xid)
-        disabled, enabled = self._nvidia()
         if enabled.get(xid) or enabled.get(ALL_XIDS):
             return base if base in WITHDRAWING else RESET
         if disabled.get(xid) or disabled.get(ALL_XIDS):
@@ -169,7 +171,8 @@ class XidPolicy:
         disabled, enabled = self._nvidia()
         if enabled.get(ALL_XIDS):
             return ()
-        return tuple(x for x in range(XID_FILTER_SIZE) if self.action(x) not in WITHDRAWING)
+        return tuple(x for x in range(XID_FILTER_SIZE)
+                     if self._action(x, disabled, enabled) not in WITHDRAWING)
 
     def event_action(self, event_type: int, xid: int) -> tuple[str, str]:
         """(action, reason) for an event the filter let through."""

@@ -25,8 +25,8 @@ import selectors
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from agent.dirwatch import DIR_GONE, DirWatch
 from agent.errors import AgentError, RegistrationError
@@ -57,8 +57,7 @@ def kubelet_identity(path: str) -> Identity | None:
     return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
-@dataclass
-class ResourceStatus:
+class ResourceStatus(NamedTuple):
     """What `gpu-agent status` shows of one resource's registration."""
 
     socket: str
@@ -80,10 +79,11 @@ class _Plugin:
     servers_started: int = 0
 
 
-@dataclass
-class _Wanted:
-    managers: dict[str, ResourceManager] = field(default_factory=dict)
-    generation: int = 0
+class _Wanted(NamedTuple):
+    """What serve() asked for last; replaced whole, never changed."""
+
+    managers: dict[str, ResourceManager]
+    generation: int
 
 
 class Registrar:
@@ -97,7 +97,7 @@ class Registrar:
         self.on_change = on_change
         self.restarts = 0  # servers started again because their socket went away
         self._lock = threading.Lock()
-        self._wanted = _Wanted()
+        self._wanted = _Wanted({}, 0)
         self._plugins: dict[str, _Plugin] = {}
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import pynvml
 
@@ -25,8 +25,7 @@ _REMOTE_GPU = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
 _REMOTE_SWITCH = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(NamedTuple):
     """One physical GPU as NVML reports it."""
 
     index: int
@@ -46,8 +45,7 @@ class Gpu:
         return f"{int(domain, 16):04x}:{rest.lower()}"
 
 
-@dataclass(frozen=True)
-class Link:
+class Link(NamedTuple):
     """How two GPUs are joined: the PCIe common-ancestor level and the NVLinks between them."""
 
     level: int  # one of LEVEL_NAMES (0 for a GPU with itself)

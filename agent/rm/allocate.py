@@ -17,7 +17,6 @@ Compatibility notes (NVIDIA k8s-device-plugin behaviour kept on purpose):
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -118,6 +117,8 @@ def container_response(devices: Sequence[Device], opts: ResponseOptions,
     strategies = set(opts.list_strategies)
     cdi_names = [f"{CDI_KIND}={i}" for i in ids]
     if "cdi-annotations" in strategies:
+        import uuid  # off the start path (2 ms); the CDI strategies only
+
         key = f"{opts.cdi_annotation_prefix}gpu-agent_{response_id or uuid.uuid4()}"
         response.annotations[key] = ",".join(cdi_names)
     if "cdi-cri" in strategies:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from agent.rm.allocate import (
     ContainerResponse,
@@ -30,8 +29,7 @@ from agent.rm.topology import TopologyModel
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DeviceHealth:
+class DeviceHealth(NamedTuple):
     """A device and its health at one moment (a line of a ListAndWatch snapshot)."""
 
     device: Device
@@ -39,8 +37,7 @@ class DeviceHealth:
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     """The whole device list at `version`; `closed` once the manager is shut."""
 
     version: int
@@ -48,8 +45,7 @@ class Snapshot:
     closed: bool = False
 
 
-@dataclass(frozen=True)
-class PreferredRequest:
+class PreferredRequest(NamedTuple):
     """One container's GetPreferredAllocation request, as plain data."""
 
     available: Sequence[str]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent._fast import topology_impl
 from agent.nvml.discovery import LEVEL_NAMES, LEVEL_SYSTEM, Gpu, Link
@@ -40,8 +40,7 @@ def pair_score(link: Link, numa_a: int | None, numa_b: int | None) -> int:
     return score
 
 
-@dataclass(frozen=True)
-class ModelGpu:
+class ModelGpu(NamedTuple):
     """One physical GPU of the model, at position `pos` of the score matrix."""
 
     pos: int
