@@ -130,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(only="run" if _command(argv) == "run" else None)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from agent import logs
+
+    stop_logging = logs.setup(getattr(logging, args.log_level.upper()),
+                              background=args.command == "run")
     try:
         return int(args.func(args) or 0)
     except AgentError as exc:
@@ -145,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # the one catch-all: anything unexpected is a bug, shown with its trace
         log.exception("gpu-agent %s failed unexpectedly", args.command)
         return 1
+    finally:
+        stop_logging()
 
 
 if __name__ == "__main__":

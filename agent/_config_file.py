@@ -215,6 +215,7 @@ SCHEMA: dict = {
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,
+        "journalSyncInterval": OPTION,
         "allocationPolicy": OPTION,
         "replicaAllocationPolicy": OPTION,
         "health": {

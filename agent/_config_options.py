@@ -37,6 +37,7 @@ from agent.constants import (
     DEFAULT_DEVICE_LIST_STRATEGIES,
     DEFAULT_DRIVER_ROOT,
     DEFAULT_ISOLATION_FILE,
+    DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_MIG_STRATEGY,
     DEFAULT_POD_RESOURCES_SOCKET,
@@ -156,6 +157,13 @@ OPTIONS: tuple[Option, ...] = (
         "agent.reconcileInterval", IntervalKind(), DEFAULT_RECONCILE_INTERVAL_S,
         "how often allocations are matched to pods through podresources, besides at start "
         "and after Allocate; 0: only then",
+    ),
+    Option(
+        "journal_sync_interval", "--journal-sync-interval", "GPU_AGENT_JOURNAL_SYNC_INTERVAL",
+        "agent.journalSyncInterval", IntervalKind(minimum=0.01), DEFAULT_JOURNAL_SYNC_INTERVAL_S,
+        "how often the allocation journal is fdatasynced in the background (records are "
+        "written before Allocate answers, so an agent crash loses none); 0: sync before every "
+        "Allocate answers",
     ),
     Option(
         "allocation_policy", "--allocation-policy", "GPU_AGENT_ALLOCATION_POLICY",

@@ -89,6 +89,7 @@ class Config:
     checkpoint_device_id_strategy: str
     pod_resources_socket: str  # "": do not ask kubelet's podresources
     reconcile_interval: float  # seconds; 0: only at start and after Allocate
+    journal_sync_interval: float  # seconds; 0: fdatasync before each Allocate answers
     allocation_policy: str  # best-effort | packed (agent.rm.preferred)
     replica_allocation_policy: str  # distributed | packed
     disable_healthchecks: str  # DP_DISABLE_HEALTHCHECKS as written (agent.health.policy)

@@ -60,6 +60,10 @@ DEFAULT_STATE_DIR = "/var/lib/gpu-agent"
 DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # Matching allocations to pods through podresources, besides at start and after Allocate.
 DEFAULT_RECONCILE_INTERVAL_S = 60.0
+# The allocation journal's background fdatasync (0: before every Allocate answers). One second
+# bounds what a power loss can take (a node that then reboots re-runs every Allocate anyway),
+# as InnoDB's innodb_flush_log_at_trx_commit=2 does; why it is safe: docs/state.md.
+DEFAULT_JOURNAL_SYNC_INTERVAL_S = 1.0
 # A GPU withdrawn for a reset-class error stays free of critical events this long to return.
 DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
 # Create the missing /dev/char links of the NVIDIA device nodes (agent.devchar; why: docs).

@@ -90,13 +90,15 @@ class Daemon:
         return 0
 
     def _start_state(self) -> None:
-        """Load the allocation checkpoint (a bad one is set aside) and start reconciling."""
-        from agent.kubelet.podresources import AllocationState  # not on the start path
+        """Load the allocation journal (a bad one is set aside) and start reconciling."""
+        from agent.kubelet.podresources import PodResourcesClient  # not on the start path
+        from agent.state.allocations import AllocationState
 
         cfg = self.cfg
         self.state = AllocationState(
             cfg.state_dir, keyed_by=cfg.checkpoint_device_id_strategy,
             socket_path=cfg.pod_resources_socket, period=cfg.reconcile_interval,
+            sync_interval=cfg.journal_sync_interval, connect=PodResourcesClient,
             devices=self.resources.advertised, environ=self.environ)
         self.state.start()
         self.resources.set_journal(self.state.record_allocation)
@@ -233,7 +235,8 @@ class Daemon:
         self.last_error = ""
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
                                socket_path=new.pod_resources_socket,
-                               period=new.reconcile_interval)
+                               period=new.reconcile_interval,
+                               sync_interval=new.journal_sync_interval)
         self.nvml.reconfigured(old, new)
         if self.nvml.up:
             if new.kubelet_socket != old.kubelet_socket and self.registrar is not None:

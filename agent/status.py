@@ -165,7 +165,7 @@ def _alive(pid: Any) -> bool:
 
 def format_status(doc: dict) -> str:
     from agent.health.monitor import format_status as format_health
-    from agent.kubelet.podresources import format_state
+    from agent.state.allocations import format_state
 
     lines = [f"agent: {'running' if doc['running'] else 'not running'} "
              f"(pid {doc.get('pid')}, phase {doc.get('phase')}, version {doc.get('version')})",

@@ -590,7 +590,7 @@ def test_state_dir_and_journal(live, tmp_root):
     os.rename(f"{tmp_root}/state/checkpoint.msgpack",
               f"{tmp_root}/state/checkpoint.msgpack.bad-20250101T000000Z")
     found = service.check_journal(ctx)
-    assert found.status == WARN and "bad checkpoints set aside earlier" in found.found
+    assert found.status == WARN and "bad state files set aside earlier" in found.found
 
     # the live agent's journal after one Allocate
     uuid = agent.wait_registered().devices[0].id

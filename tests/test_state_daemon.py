@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 
@@ -24,7 +25,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.host import BOOT_ID_ENV
 from agent.sim.profile import load_profile
 from agent.state.checkpoint import Checkpoint
-from agent.state.journal import CHECKPOINT_FILE, read_checkpoint
+from agent.state.journal import JOURNAL_FILE, read_journal
 from agent.status import read_status
 from tests.conftest import run_gpu_agent
 from tests.daemon_harness import GPU, WAIT, Node, clean_env
@@ -39,7 +40,7 @@ def node():
 
 
 def checkpoint(node: Node) -> Checkpoint | None:
-    return read_checkpoint(os.path.join(node.state, CHECKPOINT_FILE))
+    return read_journal(os.path.join(node.state, JOURNAL_FILE))
 
 
 def show(node: Node) -> dict:
@@ -151,8 +152,8 @@ def test_attribution_follows_podresources_including_pods_that_ended_while_down(n
 
 # -- kill -9 at random moments ----------------------------------------------------------------
 
-LIVES = 50
-MEAN_PER_LIFE = 20  # about 1,000 Allocates returned in all
+LIVES = 100
+MEAN_PER_LIFE = 20  # about 2,000 Allocates returned in all
 CALLERS = 4
 
 
@@ -225,23 +226,28 @@ def _truncate(raw: bytes) -> bytes:
 
 
 def _flip(raw: bytes) -> bytes:
+    from agent.state import frames
+
     data = bytearray(raw)
-    data[len(data) // 2] ^= 0x04
+    data[len(frames.MAGIC) + 12] ^= 0x04  # inside the first entry, with more after it
     return bytes(data)
 
 
 def _future(raw: bytes) -> bytes:
     import msgpack
 
-    from agent.state import checkpoint as ck
-    body = msgpack.packb({"records": [], "note": "written by a newer gpu-agent"})
-    return msgpack.packb({"format": ck.FORMAT, "version": ck.VERSION + 1,
-                          "sha256": ck._digest(ck.VERSION + 1, body), "body": body})
+    from agent.state import frames
+    meta = frames.frame(msgpack.packb(["meta", frames.VERSION + 1, "b", "uuid", 0.0]))
+    return frames.MAGIC + meta + raw[len(frames.MAGIC):]
 
 
-@pytest.mark.parametrize("damage, kind", [(_truncate, "truncated"), (_flip, "corrupt"),
+def _not_a_journal(raw: bytes) -> bytes:
+    return b"\x83 a checkpoint of some other program" + raw
+
+
+@pytest.mark.parametrize("damage, kind", [(_not_a_journal, "corrupt"), (_flip, "corrupt"),
                                           (_future, "version")],
-                         ids=["truncated", "bit-flipped", "future-version"])
+                         ids=["not-a-journal", "bit-flipped", "future-version"])
 def test_a_bad_checkpoint_is_set_aside_reported_and_rebuilt_from_podresources(node, damage,
                                                                               kind):
     agent = node.agent()
@@ -249,7 +255,7 @@ def test_a_bad_checkpoint_is_set_aside_reported_and_rebuilt_from_podresources(no
     node.client.admit_pod("train", {"main": {GPU: 2}})
     wait_records(agent, all_attributed(1), "the pod's allocation")
     agent.stop()
-    path = os.path.join(node.state, CHECKPOINT_FILE)
+    path = os.path.join(node.state, JOURNAL_FILE)
     bad = damage(open(path, "rb").read())
     with open(path, "wb") as f:
         f.write(bad)
@@ -259,11 +265,11 @@ def test_a_bad_checkpoint_is_set_aside_reported_and_rebuilt_from_podresources(no
     doc = reconciled_since(again, 1)
     [aside] = doc["state"]["setAside"]
     assert aside["kind"] == kind
-    assert os.path.basename(aside["path"]).startswith("checkpoint.msgpack.bad-")
+    assert os.path.basename(aside["path"]).startswith(JOURNAL_FILE + ".bad-")
     assert open(aside["path"], "rb").read() == bad  # never overwritten
     assert f"moved aside to {aside['path']}" in again.log
-    assert f"bad checkpoint set aside: {aside['path']}" in doc["summary"]
-    expected = f"bad checkpoint set aside ({kind}): {aside['path']}"
+    assert f"bad journal set aside: {aside['path']}" in doc["summary"]
+    expected = f"bad journal set aside ({kind}): {aside['path']}"
     assert expected in node.status_with(expected)
     # started from podresources: the running pod's allocation is adopted
     cp = wait_records(again, all_attributed(1), "the adopted allocation")
@@ -360,20 +366,37 @@ def test_a_missing_podresources_socket_is_reported_not_fatal(node):
 
 
 def test_an_allocate_that_cannot_be_recorded_is_refused_with_the_reason(node):
-    agent = node.agent()
-    agent.wait_registered()
-    agent.allocate([UUIDS[0]])
-    aside = node.path("state-moved")
-    os.rename(node.state, aside)  # the state directory vanishes under the agent
-    with pytest.raises(grpc.RpcError) as info:
-        agent.allocate([UUIDS[1]])
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert info.value.details().startswith(
-        f"allocation not recorded: cannot write the checkpoint {node.state}/{CHECKPOINT_FILE}")
-    os.rename(aside, node.state)
-    agent.allocate([UUIDS[2]])
-    assert [r.devices for r in checkpoint(node).records] == [(UUIDS[0],), (UUIDS[2],)]
-    assert agent.alive()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs as the state directory needs root (CI runs as root)")
+    os.makedirs(node.state, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", node.state], check=True)
+    try:
+        agent = node.agent()
+        agent.wait_registered()
+        agent.allocate([UUIDS[0]])
+        filler = os.open(os.path.join(node.state, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(filler, b"x" * 512)
+        except OSError:
+            os.close(filler)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in range(100):  # the journal's last page may take a few more
+                agent.allocate([UUIDS[1]])
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details().startswith(
+            f"allocation not recorded: cannot write the journal {node.state}/{JOURNAL_FILE}")
+        assert "No space left on device" in info.value.details()
+        assert agent.log.count("Allocate answers UNAVAILABLE until it works again") == 1
+        os.unlink(os.path.join(node.state, "filler"))  # (status.json cannot be written either)
+        agent.allocate([UUIDS[2]])  # recovered by itself
+        expected = "last journal error: cannot write the journal"
+        assert expected in node.status_with(expected)
+        assert checkpoint(node).records[-1].devices == (UUIDS[2],)
+        assert agent.alive()
+        agent.stop()
+    finally:
+        subprocess.run(["umount", "-l", node.state], check=False)
 
 
 def test_sighup_applies_new_state_settings(node):

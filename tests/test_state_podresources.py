@@ -1,4 +1,4 @@
-"""The podresources v1 client and the reconciler (agent.kubelet.podresources) in-process,
+"""The podresources v1 client and the reconciler (agent.kubelet.podresources, agent.state.reconciler) in-process,
 against real gRPC servers on unix sockets: a kubelet too old for v1 (no such service:
 UNIMPLEMENTED), one serving List (NUMA split) but not GetAllocatableResources (Kubernetes
 1.20-1.22), and no socket at all. Each is reported with a reason; none stops the reconciler,
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from concurrent import futures
 
 import grpc
@@ -19,11 +20,12 @@ import pytest
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.errors import PodResourcesError
-from agent.kubelet.podresources import PodResourcesClient, Reconciler
+from agent.kubelet.podresources import PodResourcesClient
 from agent.rm.allocate import ResponseOptions, container_response
 from agent.rm.devices import Device
 from agent.state.checkpoint import PodRef
-from agent.state.journal import CHECKPOINT_FILE, Journal
+from agent.state.journal import JOURNAL_FILE, Journal
+from agent.state.reconciler import Reconciler
 
 RES = "nvidia.com/gpu"
 DEVICES = [Device(id=f"GPU-{i}", index=str(i), gpu_uuid=f"GPU-{i}", gpu_index=i,
@@ -60,7 +62,7 @@ def _serve(path: str, servicer=None) -> grpc.Server:
 
 
 def _journal(d: str) -> Journal:
-    j = Journal(os.path.join(d, CHECKPOINT_FILE), boot="B")
+    j = Journal(os.path.join(d, JOURNAL_FILE), boot="B")
     j.load()
     return j
 
@@ -71,7 +73,7 @@ def _allocate(j: Journal, *indexes: int):
 
 
 def _reconciler(j: Journal, socket: str) -> Reconciler:
-    return Reconciler(j, socket, devices=lambda: {RES: DEVICES}, period=60.0)
+    return Reconciler(j, socket, connect=PodResourcesClient, devices=lambda: {RES: DEVICES}, period=60.0)
 
 
 def test_list_only_kubelet_attributes_and_reports_the_missing_method(short_dir):
@@ -124,3 +126,49 @@ def test_no_socket_is_reported_as_missing(short_dir):
     assert r.status()["errorKind"] == "missing"
     assert "absent.sock does not exist" in r.status()["error"]
     assert j.records() == (rec,)
+
+
+class _SlowList(pr_grpc.PodResourcesListerServicer):
+    """A kubelet whose List answers only when the test lets it: the listing it gives (pod
+    "old" holding GPU-2) is what kubelet saw when it was asked, before the Allocate below."""
+
+    def __init__(self):
+        self.asked = threading.Event()
+        self.answer = threading.Event()
+
+    def List(self, request, context):
+        self.asked.set()
+        assert self.answer.wait(30)
+        return pr.ListPodResourcesResponse(pod_resources=[pr.PodResources(
+            name="old", namespace="ml", containers=[pr.ContainerResources(
+                name="main", devices=[pr.ContainerDevices(resource_name=RES,
+                                                          device_ids=["GPU-2"])])])])
+
+
+def test_an_allocate_during_a_reconciliation_is_not_dropped_by_its_older_listing(short_dir):
+    # kubelet freed GPU-2 from pod "old" and handed it to a new container: the Allocate lands
+    # while podresources is being asked, and the answer still shows "old" holding GPU-2. Judged
+    # by that listing the new record would be dropped ("its devices are now held by ml/old")
+    # and its container later adopted without the response it was given.
+    socket = os.path.join(short_dir, "kubelet.sock")
+    slow = _SlowList()
+    server = _serve(socket, slow)
+    try:
+        j = _journal(short_dir)
+        r = _reconciler(j, socket)
+        passed = []
+        pass_thread = threading.Thread(target=lambda: passed.append(r.run_once()))
+        pass_thread.start()
+        assert slow.asked.wait(30)
+        rec = _allocate(j, 2)  # answered while kubelet is being asked: no lock in the way
+        r.configure(socket, 30.0)  # a SIGHUP meanwhile returns at once too
+        slow.answer.set()
+        pass_thread.join(30)
+        [outcome] = passed
+        assert outcome.listed and outcome.dropped == ()
+        assert outcome.adopted == ()  # pod "old" is not adopted on that listing either
+        assert j.records() == (rec,)  # untouched: not dropped, not given to pod "old"
+        r.client.close()
+    finally:
+        slow.answer.set()
+        server.stop(None)

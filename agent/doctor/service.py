@@ -4,7 +4,7 @@ valid, the state directory is writable, the allocation journal is healthy.
 Owns: the checks `agent.*` and `agent_status` (the running agent's status.json, read once per
 run through agent.status). The unit is asked with `systemctl is-active` (bounded) where
 systemctl exists under the root; the journal is read with agent.state.journal's
-`read_checkpoint`, never loaded or repaired. Must not start, stop or reload anything, nor
+`read_journal`, never loaded or repaired. Must not start, stop or reload anything, nor
 write in the state directory.
 """
 
@@ -96,31 +96,31 @@ def check_state_dir(ctx: Context) -> Finding:
 
 
 def check_journal(ctx: Context) -> Finding:
-    from agent.state.journal import CHECKPOINT_FILE, read_checkpoint, set_aside_files
+    from agent.state.journal import JOURNAL_FILE, read_journal, set_aside_files
 
-    path = os.path.join(ctx.cfg.state_dir, CHECKPOINT_FILE)
+    path = os.path.join(ctx.cfg.state_dir, JOURNAL_FILE)
     findings = []
     try:
-        cp = read_checkpoint(path)
+        cp = read_journal(path)
     except CheckpointError as exc:
         return fail(f"{path} is unusable ({exc.kind}): {exc.problem}",
                     "systemctl restart gpu-agent (it sets the file aside and starts empty; "
                     "docs/state.md)")
     if cp is None:
-        findings.append(ok(f"no checkpoint yet ({path}): no allocation recorded"))
+        findings.append(ok(f"no journal yet ({path}): no allocation recorded"))
     else:
         attributed = sum(1 for r in cp.records if r.pod is not None)
         findings.append(ok(f"{path}: allocations recorded: {len(cp.records)}, attributed "
                            f"to pods: {attributed}"))
     doc, _error = agent_status(ctx)
     state = (doc or {}).get("state") or {}
-    if doc is not None and doc.get("running") and state.get("lastError"):
-        findings.append(fail(f"the agent cannot write its checkpoint: {state['lastError']}",
+    if doc is not None and doc.get("running") and state.get("failing"):
+        findings.append(fail(f"the agent cannot write its journal: {state['failing']}",
                              f"free space or fix permissions in {ctx.cfg.state_dir} "
                              f"(`df -h {ctx.cfg.state_dir}`); Allocate fails until it can"))
     aside = set_aside_files(path)
     if aside:
-        findings.append(warn(f"{len(aside)} bad checkpoints set aside earlier: "
+        findings.append(warn(f"{len(aside)} bad state files set aside earlier: "
                              f"{', '.join(aside[-3:])}",
                              f"inspect them (`gpu-agent state show` shows the live one), then "
                              f"remove them: rm {' '.join(aside)}"))

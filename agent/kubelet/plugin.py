@@ -24,7 +24,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
 from agent.errors import AgentError, RegistrationError, RequestError, StateError
 from agent.rm.allocate import ContainerResponse
-from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
+from agent.rm.manager import ANSWERS_KEPT, PreferredRequest, ResourceManager, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,18 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
+        # the message built for each ContainerResponse the manager keeps (by identity)
+        self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse]] = {}
+
+    def _message(self, r: ContainerResponse) -> dp.ContainerAllocateResponse:
+        hit = self._messages.get(id(r))
+        if hit is not None and hit[0] is r:
+            return hit[1]
+        message = _container_response(r)
+        if len(self._messages) >= ANSWERS_KEPT:
+            self._messages.clear()
+        self._messages[id(r)] = (r, message)
+        return message
 
     def GetDevicePluginOptions(self, request, context):
         return self.plugin.options
@@ -128,7 +140,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             for container in ids:
                 log.info("%s: allocated to a container: %s", self.manager.resource, ", ".join(
                     f"{by_id[i].gpu_uuid} (GPU {by_id[i].gpu_index})" for i in container))
-        return dp.AllocateResponse(container_responses=[_container_response(r) for r in responses])
+        return dp.AllocateResponse(container_responses=[self._message(r) for r in responses])
 
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()

@@ -28,6 +28,10 @@ from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
 
+# Allocate answers kept per requested device list (the same request gets the same answer until
+# a reload changes the options or devices); cleared when full.
+ANSWERS_KEPT = 1024
+
 
 class DeviceHealth(NamedTuple):
     """A device and its health at one moment (a line of a ListAndWatch snapshot)."""
@@ -75,6 +79,9 @@ class ResourceManager:
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
+        # (options, devices by ID, answers by request): replaced whole by reconfigure, read
+        # once per Allocate
+        self._answering = (options, self.by_id, {})
         self._cond = threading.Condition()
         self._version = 1
         self._closed = False
@@ -157,8 +164,10 @@ class ResourceManager:
             self.options, self.topology = options, topology
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
             if devices == self.devices:
+                self._answering = (options, self.by_id, {})
                 return False
             self.devices, self.by_id = devices, {d.id: d for d in devices}
+            self._answering = (options, self.by_id, {})
             self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
             self._version += 1
             self._cond.notify_all()
@@ -177,11 +186,22 @@ class ResourceManager:
         """One ContainerResponse per container request, in order; RequestError (nothing
         allocated) if any request is empty, repeats an ID or names an unknown one. With a
         `journal`, the allocation is recorded durably before this returns (StateError if not)."""
-        resolved = [resolve_request(self.resource, ids, self.by_id) for ids in container_requests]
-        responses = [container_response(devices, self.options) for devices in resolved]
+        options, by_id, answers = self._answering
+        out = []
+        for ids in container_requests:
+            key = tuple(ids)
+            hit = answers.get(key)
+            if hit is None:
+                devices = resolve_request(self.resource, ids, by_id)
+                hit = (devices, container_response(devices, options))
+                if "cdi-annotations" not in options.list_strategies:  # a new key every time
+                    if len(answers) >= ANSWERS_KEPT:
+                        answers.clear()
+                    answers[key] = hit
+            out.append(hit)
         if self.journal is not None:
-            self.journal(self.resource, list(zip(resolved, responses)))
-        return responses
+            self.journal(self.resource, out)
+        return [response for _, response in out]
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one

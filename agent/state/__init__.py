@@ -1,8 +1,11 @@
-"""Allocation checkpoints kept as msgpack files in the state directory.
+"""The allocation state: what Allocate handed out, kept in an append-only journal in the state
+directory, and matched to kubelet's pods.
 
-Owns: the checkpoint format (`checkpoint`), the journal that records every Allocate durably
-and loads, sets aside and rewrites the file (`journal`), the reconciliation rules that match
-records to pods as plain data (`reconcile`), and `gpu-agent state show` (`cli`). Must not
-import grpc or NVML code: it stores, loads and judges records; agent.kubelet.podresources
-asks kubelet, agent.daemon wires it in. See docs/state.md.
+Owns: the record schema and the old single-file checkpoint (`checkpoint`), the journal's
+framing (`frames`), the journal that records every Allocate before it answers, syncs, compacts
+and copes with a failing disk (`journal`), the reconciliation rules as plain data
+(`reconcile`), the thread that applies them from kubelet's podresources (`reconciler`), the
+daemon's `AllocationState` and its status lines (`allocations`), and `gpu-agent state show`
+(`cli`). Must not import grpc or NVML code: the podresources client (agent.kubelet.podresources)
+is handed in by agent.daemon. See docs/state.md.
 """

@@ -77,9 +77,10 @@ class Response:
     cdi_devices: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Record:
-    """One container's allocation of one resource, as Allocate answered it."""
+class Record(NamedTuple):
+    """One container's allocation of one resource, as Allocate answered it. A tuple: the
+    journal holds one per running GPU container (and every unclaimed Allocate), so it is as
+    small as a record can be; records of the same answer share their Response."""
 
     id: str  # unique per record (a random UUID)
     resource: str
@@ -90,6 +91,9 @@ class Record:
     boot: str  # the host's boot ID at that time
     pod: PodRef | None = None  # None until podresources attributes it
     confirmed: float | None = None  # unix time podresources last listed it
+
+    def with_pod(self, pod: PodRef | None, confirmed: float | None) -> Record:
+        return self._replace(pod=pod, confirmed=confirmed)
 
     def describe(self) -> str:
         gpus = ", ".join(f"GPU {g.index} {g.uuid}" for g in self.gpus)
@@ -112,7 +116,8 @@ class Checkpoint:
 # Encoding.
 
 
-def _record_data(r: Record) -> dict:
+def record_data(r: Record) -> dict:
+    """A record as the msgpack map of the schema (the checkpoint's and the journal's)."""
     resp = r.response
     response = None if resp is None else {
         "envs": dict(resp.envs),
@@ -140,7 +145,7 @@ def _digest(version: int, body: bytes) -> bytes:
 
 def pack_record(r: Record) -> bytes:
     """One record as msgpack (what `encode` puts in the body's list)."""
-    return msgpack.packb(_record_data(r), use_bin_type=True)
+    return msgpack.packb(record_data(r), use_bin_type=True)
 
 
 def encode(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record) -> bytes:
@@ -331,7 +336,8 @@ def _fast_record(d: Any) -> Record:
                   confirmed=None if confirmed is None else float(confirmed))
 
 
-def _record(value: Any, where: str) -> Record:
+def record_from_data(value: Any, where: str) -> Record:
+    """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad."""
     try:
         return _fast_record(value)
     except _Slow:
@@ -413,7 +419,7 @@ def decode(data: bytes) -> Checkpoint:
         raise _bad("body.keyedBy",
                    f"{keyed_by!r} is not one of {', '.join(DEVICE_ID_STRATEGIES)}")
     _typed(doc["records"], list, "a list", "body.records")
-    records = tuple(_record(r, f"records[{i}]") for i, r in enumerate(doc["records"]))
+    records = tuple(record_from_data(r, f"records[{i}]") for i, r in enumerate(doc["records"]))
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise _bad("body.records", "a record ID appears twice")

@@ -1,8 +1,8 @@
-"""`gpu-agent state show [--json]`: the allocations recorded in the checkpoint.
+"""`gpu-agent state show [--json]`: the allocations recorded in the journal.
 
 Owns: the command and its output (one entry per allocation: pod, namespace, container,
-resource, devices, GPUs, since). Reads the checkpoint file only: it never moves, repairs or
-writes anything (the running agent owns the file). Must not import grpc or NVML code.
+resource, devices, GPUs, since). Reads the journal (or, before the agent migrated it, the old
+checkpoint) only: it never moves, repairs or writes anything (the running agent owns the file). Must not import grpc or NVML code.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.errors import CheckpointError, StateError
 from agent.state.checkpoint import Checkpoint, Record
-from agent.state.journal import CHECKPOINT_FILE, read_checkpoint, set_aside_files
+from agent.state.journal import JOURNAL_FILE, read_journal, set_aside_files
 
 
 def _since(t: float) -> str:
@@ -48,7 +48,7 @@ def record_json(r: Record) -> dict:
 
 def show_json(path: str, cp: Checkpoint | None) -> dict:
     return {
-        "checkpoint": path,
+        "journal": path,
         "exists": cp is not None,
         "written": cp.written if cp else None,
         "boot": cp.boot if cp else None,
@@ -60,9 +60,9 @@ def show_json(path: str, cp: Checkpoint | None) -> dict:
 
 def show_text(path: str, cp: Checkpoint | None) -> str:
     if cp is None:
-        lines = [f"no checkpoint at {path}: no allocations recorded"]
+        lines = [f"no journal at {path}: no allocations recorded"]
     else:
-        lines = [f"checkpoint {path}: {len(cp.records)} allocations, written "
+        lines = [f"journal {path}: {len(cp.records)} allocations, begun "
                  f"{_since(cp.written)} in boot {cp.boot or 'unknown'}, GPUs keyed by "
                  f"{cp.keyed_by}"]
         for r in cp.records:
@@ -73,19 +73,19 @@ def show_text(path: str, cp: Checkpoint | None) -> str:
             lines.append(f"  devices: {', '.join(r.devices)}")
             lines.append("  GPUs: " + ", ".join(f"{g.index} ({g.uuid})" for g in r.gpus))
     for aside in set_aside_files(path):
-        lines.append(f"set aside (bad checkpoint kept for inspection): {aside}")
+        lines.append(f"set aside (bad file kept for inspection): {aside}")
     return "\n".join(lines)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from agent.config import load_config
 
-    path = os.path.join(load_config(args, os.environ).state_dir, CHECKPOINT_FILE)
+    path = os.path.join(load_config(args, os.environ).state_dir, JOURNAL_FILE)
     try:
-        cp = read_checkpoint(path)
+        cp = read_journal(path)
     except CheckpointError as exc:
-        raise StateError(f"checkpoint {path}: {exc} (the agent sets a bad checkpoint aside "
-                         f"when it starts)") from None
+        raise StateError(f"journal {path}: {exc} (the agent sets a bad journal aside when "
+                         f"it starts)") from None
     if args.json:
         print(json.dumps(show_json(path, cp), indent=2))
     else:
@@ -98,11 +98,11 @@ def add_cli(sub: Any) -> None:
     from agent.config import add_state_command
 
     p = sub.add_parser("state", help="show the allocations the agent recorded",
-                       description="The allocation checkpoint in the state directory.")
+                       description="The allocation journal in the state directory.")
     ssub = p.add_subparsers(dest="state_command", metavar="STATE_COMMAND")
     ssub.required = True
     add_state_command(
         ssub, "show", _cmd_show,
         help="list the recorded allocations: pod, namespace, container, resource, devices, "
              "GPUs, since",
-        description="List the allocations in STATE_DIR/checkpoint.msgpack (reads only).")
+        description="List the allocations in STATE_DIR/allocations.journal (reads only).")

@@ -1,16 +1,22 @@
-"""The allocation journal: the records in memory and their checkpoint file, kept in step.
+"""The allocation journal: the records in memory and their append-only file, kept in step.
 
-Owns: loading the checkpoint at start (a bad file is moved aside with a timestamp, reported,
-never overwritten; the agent then starts empty), recording Allocate answers durably before
-they are returned, applying reconciliation outcomes, and writing the file atomically
-(agent.fileio.write_atomic: temp file, fsync, rename, fsync of the directory; mode 0600).
+Owns: loading the file at start (a torn tail is truncated and reported once; a file that is
+otherwise unreadable is moved aside with a timestamp, reported, never overwritten; the old
+single-file checkpoint is read and migrated), appending what Allocate and reconciliation
+change, the background fdatasync, compaction, and what the journal does while the disk fails.
 
-Group commit: concurrent `append` calls share one write. The first caller to find no write
-under way becomes the leader: it takes every record waiting (its own and those queued behind
-the previous write), writes and fsyncs once, and wakes the followers it carried. Nobody returns
-before the write that holds its records is durable; if that write fails, every caller it
-carried gets a StateError and their records are forgotten (Allocate then fails with the
-reason, so kubelet never starts a container the journal does not know).
+Group commit: concurrent appends share one `write`. The first caller to find no write under
+way becomes the leader: it takes every frame waiting (its own and those queued behind the
+previous write), writes them with one call and wakes the followers it carried. A record is in
+the kernel's hands when its Allocate answers, so it survives any crash of the agent; the
+worker thread fdatasyncs every `sync_interval` seconds (0: the leader syncs before anyone
+returns). See docs/state.md for the contract and the reasoning.
+
+A failed write is cut back off the file (ftruncate), its callers get a StateError, and nothing
+in memory changes; until a write and a sync succeed again every write is synced at once, so an
+Allocate is answered only when its record is on disk. Compaction (more than twice as many
+entries as live records, and at start) rewrites the live records to a temp file while appends
+go on, adds what was appended meanwhile, and renames it over the journal.
 
 Must not import grpc or NVML code, nor decide which records stand (agent.state.reconcile).
 """
@@ -18,18 +24,19 @@ Must not import grpc or NVML code, nor decide which records stand (agent.state.r
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent.constants import DEFAULT_DEVICE_ID_STRATEGY
+from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEFAULT_JOURNAL_SYNC_INTERVAL_S
 from agent.errors import CheckpointError, StateError
 from agent.fileio import TEMP_SUFFIX, fsync_dir, write_atomic
+from agent.state import frames
 from agent.state.checkpoint import (
     Checkpoint,
     DeviceSpecRec,
@@ -38,20 +45,24 @@ from agent.state.checkpoint import (
     Record,
     Response,
     decode,
-    encode_chunks,
-    pack_record,
 )
 from agent.state.reconcile import Outcome
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FILE = "checkpoint.msgpack"
+JOURNAL_FILE = "allocations.journal"
+LEGACY_FILE = "checkpoint.msgpack"  # schema 1, read once and migrated
+MIGRATED_MARK = ".migrated"
 ASIDE_MARK = ".bad-"
+# Compact when the file holds more than twice as many entries as live records, and at least
+# this many: a small journal is not worth a rewrite.
+COMPACT_MIN_ENTRIES = 256
+ANSWERS_KEPT = 1024
 
 
 @dataclass(frozen=True)
 class SetAside:
-    """A bad checkpoint moved out of the way: where it went, why, and when."""
+    """A bad journal or checkpoint moved out of the way: where it went, why, and when."""
 
     path: str
     kind: str  # truncated, corrupt, version, unreadable
@@ -62,23 +73,37 @@ class SetAside:
         return {"path": self.path, "kind": self.kind, "reason": self.reason, "at": self.at}
 
 
-def read_checkpoint(path: str) -> Checkpoint | None:
-    """The checkpoint at `path` (None if there is none); CheckpointError if it is bad. Reads
-    only: for `gpu-agent state show` and tests (the journal's `load` also sets bad ones
-    aside)."""
+def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            return f.read()
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointError("unreadable", f"cannot read it: {exc.strerror or exc}") from exc
-    return decode(data)
+
+
+def read_journal(path: str) -> Checkpoint | None:
+    """The records of the journal at `path` as a Checkpoint (None if there is none; the old
+    checkpoint beside it when only that exists); CheckpointError if it is bad. Reads only:
+    for `gpu-agent state show`, the doctor and tests. A torn tail is left out."""
+    data = _read(path)
+    if data is None:
+        legacy = _read(os.path.join(os.path.dirname(path), LEGACY_FILE))
+        return None if legacy is None else decode(legacy)
+    scan = frames.scan(data)
+    meta = scan.meta
+    return Checkpoint(tuple(scan.records.values()), written=meta.written if meta else 0.0,
+                      boot=meta.boot if meta else "",
+                      keyed_by=meta.keyed_by if meta else DEFAULT_DEVICE_ID_STRATEGY)
 
 
 def set_aside_files(path: str) -> list[str]:
-    """Bad checkpoints set aside beside `path` earlier, oldest first."""
-    return sorted(glob.glob(glob.escape(path) + ASIDE_MARK + "*"))
+    """Bad files set aside beside `path` (and beside the old checkpoint) earlier, oldest
+    first."""
+    legacy = os.path.join(os.path.dirname(path), LEGACY_FILE)
+    return sorted(glob.glob(glob.escape(path) + ASIDE_MARK + "*")
+                  + glob.glob(glob.escape(legacy) + ASIDE_MARK + "*"))
 
 
 def response_record(r: Any) -> Response:
@@ -95,38 +120,60 @@ def response_record(r: Any) -> Response:
 
 
 class _Batch:
-    """Changes waiting for one write, and the answer its callers wait for."""
+    """Frames waiting for one write, what they change in memory, and their callers' answer."""
 
-    __slots__ = ("added", "changes", "done", "error")
+    __slots__ = ("frames", "changes", "done", "error")
 
     def __init__(self) -> None:
-        self.added: list[Record] = []
+        self.frames: list[bytes] = []
         self.changes: list[Callable[[dict], None]] = []
         self.done = False
         self.error: BaseException | None = None
 
 
 class Journal:
-    """The records of what Allocate handed out, durable in one checkpoint file."""
+    """The records of what Allocate handed out, durable in one append-only file."""
 
     def __init__(self, path: str, *, boot: str, keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 sync_interval: float = DEFAULT_JOURNAL_SYNC_INTERVAL_S):
         self.path = os.path.abspath(path)
         self.directory = os.path.dirname(self.path)
+        self.legacy_path = os.path.join(self.directory, LEGACY_FILE)
         self.boot = boot
         self.keyed_by = keyed_by
         self.clock = clock
+        self.sync_interval = sync_interval
         self._records: dict[str, Record] = {}
         self._cond = threading.Condition()
-        self._pending: _Batch | None = None
-        self._writing = False
+        self._batch: _Batch | None = None
+        self._writing = False  # the writer role: one write (or compaction step) at a time
+        self._fd = -1
+        self._fd_lock = threading.Lock()  # the worker's fdatasync against a compaction's swap
+        self._size = 0  # bytes of whole entries in the file
+        self._synced = 0  # of which known durable
+        self._cut_pending = False  # a failed write may have left bytes after _size
+        self._entries = 0  # entries in the file (meta entries not counted)
+        self._fresh: set[str] | None = None  # IDs appended since mark()
+        self._since: list[tuple[bytes, int]] | None = None  # appended during a compaction
+        self._compact_wanted = False
+        self._stop = False
+        self._worker: threading.Thread | None = None
         self._listeners: list[Callable[[], None]] = []
-        self._packed: dict[str, tuple[Record, bytes]] = {}  # record ID -> (record, msgpack)
+        # record IDs: random per process, then counted (unique without a syscall per record)
+        self._id_prefix = os.urandom(6).hex() + "-"
+        self._ids = itertools.count(1)  # next() is atomic: concurrent Allocates never share
+        self._answers: dict[int, tuple[Any, tuple]] = {}  # by the manager's response object
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
+        self.failing = ""  # why writes or syncs fail now ("" while they work)
         self.version = 0  # bumped on every change in memory
         self.writes = 0
+        self.syncs = 0
+        self.compactions = 0
         self.last_write: float | None = None
         self.last_error = ""
+        self.torn: dict | None = None  # the torn tail cut at load
+        self.migrated_from = ""
         self.set_aside: list[SetAside] = []
         self.earlier_aside: list[str] = []
         self.loaded = 0
@@ -138,77 +185,138 @@ class Journal:
     # -- loading -------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Read the checkpoint into memory. A bad one is moved aside and reported (log,
-        `set_aside`); the journal then starts empty. Never raises for a bad file."""
+        """Read the journal (or migrate the old checkpoint) into memory, compact it when it
+        holds more than its live records, open it for appends and start the worker. A bad
+        file is moved aside and reported; the journal then starts empty. Never raises for a
+        bad file or a failing disk (appends then fail with the reason until it works)."""
         self.earlier_aside = set_aside_files(self.path)
-        tmp = self.path + TEMP_SUFFIX
-        try:
-            os.unlink(tmp)  # a write cut short: the real file is intact
-            log.info("removed %s, left by a write that did not finish", tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("cannot remove %s: %s", tmp, exc)
-        try:
-            cp = read_checkpoint(self.path)
-        except CheckpointError as exc:
-            self._put_aside(exc)
-            return
-        if cp is None:
-            log.info("no checkpoint at %s: starting with no recorded allocations", self.path)
-            return
+        for tmp in (self.path + TEMP_SUFFIX, self.legacy_path + TEMP_SUFFIX):
+            try:
+                os.unlink(tmp)  # a write cut short: the real file is intact
+                log.info("removed %s, left by a write that did not finish", tmp)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", tmp, exc)
+        rewrite = self._load_file()
         with self._cond:
-            self._records = {r.id: r for r in cp.records}
             self.version += 1
-        self.loaded, self.loaded_boot = len(cp.records), cp.boot
-        attributed = sum(1 for r in cp.records if r.pod is not None)
-        log.info("loaded %d allocation records (%d attributed to pods) from %s", len(cp.records),
-                 attributed, self.path)
-        if cp.boot != self.boot and cp.records:
-            log.info("the checkpoint was written in boot %s, this is boot %s: its records are "
-                     "kept only where podresources confirms them", cp.boot or "unknown",
-                     self.boot or "unknown")
-        if cp.keyed_by != self.keyed_by:
-            log.info("the checkpoint matched GPUs by %s; they are now matched by %s "
-                     "(checkpointDeviceIDStrategy)", cp.keyed_by, self.keyed_by)
+        if not self.blocked:
+            with self._cond:
+                self._writing = True
+            try:
+                error = self._open(rewrite)
+            finally:
+                with self._cond:
+                    self._writing = False
+            if error is None and self.migrated_from:
+                self._retire_legacy()
+        self._worker = threading.Thread(target=self._work, name="journal", daemon=True)
+        self._worker.start()
 
-    def _put_aside(self, exc: CheckpointError) -> None:
+    def _load_file(self) -> bool:
+        """Fill the records from the file; whether the file must be rewritten first."""
+        try:
+            data = _read(self.path)
+        except CheckpointError as exc:
+            self._put_aside(self.path, exc)
+            return True
+        if data is None:
+            return self._load_legacy()
+        try:
+            scan = frames.scan(data)
+        except CheckpointError as exc:
+            self._put_aside(self.path, exc)
+            return True
+        if scan.torn:
+            self.torn = {"at": scan.good_end, "bytes": len(data) - scan.good_end,
+                         "reason": scan.torn, "time": self.clock()}
+            log.warning("journal %s: %s: cut off (%d bytes; a write the agent or the host did "
+                        "not finish)", self.path, scan.torn, len(data) - scan.good_end)
+        meta = scan.meta
+        self._loaded(list(scan.records.values()), meta.boot if meta else self.boot,
+                     meta.keyed_by if meta else self.keyed_by)
+        self._records = scan.records
+        self._entries, self._size = scan.entries, scan.good_end
+        return bool(scan.torn) or meta is None or (
+            scan.entries > len(scan.records) and scan.entries >= COMPACT_MIN_ENTRIES // 4)
+
+    def _load_legacy(self) -> bool:
+        try:
+            data = _read(self.legacy_path)
+            cp = None if data is None else decode(data)
+        except CheckpointError as exc:
+            self._put_aside(self.legacy_path, exc)
+            return True
+        if cp is None:
+            log.info("no journal at %s: starting with no recorded allocations", self.path)
+            return True
+        self._records = {r.id: r for r in cp.records}
+        self.migrated_from = self.legacy_path
+        self._loaded(list(cp.records), cp.boot, cp.keyed_by)
+        log.info("migrating the checkpoint %s (schema 1) to the journal %s", self.legacy_path,
+                 self.path)
+        return True
+
+    def _loaded(self, records: list[Record], boot: str, keyed_by: str) -> None:
+        self.loaded, self.loaded_boot = len(records), boot
+        attributed = sum(1 for r in records if r.pod is not None)
+        log.info("loaded %d allocation records (%d attributed to pods) from %s", len(records),
+                 attributed, self.path if not self.migrated_from else self.legacy_path)
+        if boot != self.boot and records:
+            log.info("the journal was written in boot %s, this is boot %s: its records are "
+                     "kept only where podresources confirms them", boot or "unknown",
+                     self.boot or "unknown")
+        if keyed_by != self.keyed_by:
+            log.info("the journal matched GPUs by %s; they are now matched by %s "
+                     "(checkpointDeviceIDStrategy)", keyed_by, self.keyed_by)
+
+    def _retire_legacy(self) -> None:
+        target = self.legacy_path + MIGRATED_MARK
+        try:
+            os.replace(self.legacy_path, target)
+            fsync_dir(self.directory)
+        except OSError as exc:
+            log.warning("migrated %s, but cannot rename it to %s: %s (it is read again, and "
+                        "ignored, while the journal exists)", self.legacy_path, target, exc)
+            return
+        log.info("migrated %d records; the old checkpoint is kept as %s", self.loaded, target)
+
+    def _put_aside(self, path: str, exc: CheckpointError) -> None:
         now = self.clock()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-        target = ""
         try:
-            target = self._move_aside(stamp)
+            target = self._move_aside(path, stamp)
         except OSError as move_exc:
-            self.blocked = (f"the bad checkpoint {self.path} ({exc.problem}) could not be "
-                             f"moved aside ({move_exc}); refusing to overwrite it: move it "
-                             f"away and restart gpu-agent")
+            self.blocked = (f"the bad file {path} ({exc.problem}) could not be moved aside "
+                            f"({move_exc}); refusing to overwrite it: move it away and "
+                            f"restart gpu-agent")
             self.last_error = self.blocked
             log.error("%s", self.blocked)
             self.set_aside.append(SetAside("", exc.kind, exc.problem, now))
             return
         self.set_aside.append(SetAside(target, exc.kind, exc.problem, now))
-        log.error("checkpoint %s is %s (%s): moved aside to %s; starting from what "
-                  "podresources reports", self.path, _KIND_WORDS.get(exc.kind, exc.kind),
-                  exc.problem, target)
+        log.error("%s is %s (%s): moved aside to %s; starting from what podresources reports",
+                  path, _KIND_WORDS.get(exc.kind, exc.kind), exc.problem, target)
 
-    def _move_aside(self, stamp: str) -> str:
+    def _move_aside(self, path: str, stamp: str) -> str:
         for n in range(1000):
-            target = f"{self.path}{ASIDE_MARK}{stamp}" + (f"-{n}" if n else "")
+            target = f"{path}{ASIDE_MARK}{stamp}" + (f"-{n}" if n else "")
             if os.path.lexists(target):
                 continue
             try:
-                os.link(self.path, target)  # fails rather than replace an existing file
+                os.link(path, target)  # fails rather than replace an existing file
             except FileExistsError:
                 continue
             except OSError:  # a directory, or a filesystem without hard links
                 if os.path.lexists(target):
                     continue
-                os.rename(self.path, target)
+                os.rename(path, target)
             else:
-                os.unlink(self.path)
+                os.unlink(path)
             fsync_dir(self.directory)
             return target
-        raise OSError(f"no free name for {self.path}{ASIDE_MARK}{stamp}")
+        raise OSError(f"no free name for {path}{ASIDE_MARK}{stamp}")
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -216,6 +324,17 @@ class Journal:
         """Every record, oldest first."""
         with self._cond:
             return tuple(sorted(self._records.values(), key=lambda r: (r.time, r.id)))
+
+    def mark(self) -> None:
+        """Start noting the IDs appended from now on (`fresh()`): a reconciliation marks
+        before it asks kubelet, so it never judges a record by a listing older than it."""
+        with self._cond:
+            self._fresh = set()
+
+    def fresh(self) -> frozenset[str]:
+        """IDs appended since the last `mark()` (it stays marked)."""
+        with self._cond:
+            return frozenset(self._fresh or ())
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         """Call fn() (from the appending thread, after the write) whenever Allocate records
@@ -225,18 +344,28 @@ class Journal:
     def status(self) -> dict:
         with self._cond:
             records = list(self._records.values())
-            version = self.version
+            version, entries, size, synced = self.version, self._entries, self._size, \
+                self._synced
         return {
-            "checkpoint": self.path,
+            "journal": self.path,
             "keyedBy": self.keyed_by,
             "boot": self.boot,
             "allocations": len(records),
             "attributed": sum(1 for r in records if r.pod is not None),
             "pending": sum(1 for r in records if r.pod is None),
             "version": version,
+            "entries": entries,
+            "bytes": size,
+            "unsyncedBytes": size - synced,
+            "syncInterval": self.sync_interval,
             "writes": self.writes,
+            "syncs": self.syncs,
+            "compactions": self.compactions,
             "lastWrite": self.last_write,
+            "failing": self.failing,
             "lastError": self.last_error,
+            "tornTail": self.torn,
+            "migratedFrom": self.migrated_from,
             "loaded": self.loaded,
             "loadedBoot": self.loaded_boot,
             "setAside": [a.to_dict() for a in self.set_aside],
@@ -248,135 +377,364 @@ class Journal:
     def record_allocation(self, resource: str, containers: Sequence[tuple[Sequence[Any], Any]]
                           ) -> list[Record]:
         """Record one Allocate: for each container, its devices (agent.rm.devices.Device) and
-        the response given. Returns once durable; StateError if it could not be written.
-        This is the `journal` hook of agent.rm.manager.ResourceManager."""
+        the response given. Returns once the records are written (synced too with a sync
+        interval of 0, or while the disk fails); StateError if they could not be. This is the
+        `journal` hook of agent.rm.manager.ResourceManager."""
         now = self.clock()
-        records = [
-            Record(id=uuid.uuid4().hex, resource=resource,
-                   devices=tuple(d.id for d in devices),
-                   gpus=tuple(GpuRef(d.gpu_uuid, int(d.gpu_index)) for d in devices),
-                   response=response_record(response), time=now, boot=self.boot)
-            for devices, response in containers
-        ]
+        records = []
+        for devices, response in containers:
+            ids, gpus, rec = self._shared(devices, response)
+            records.append(Record(id=f"{self._id_prefix}{next(self._ids):x}", resource=resource,
+                                  devices=ids, gpus=gpus, response=rec, time=now,
+                                  boot=self.boot))
         self.append(records)
         return records
 
+    def _shared(self, devices: Sequence[Any], response: Any
+                ) -> tuple[tuple[str, ...], tuple[GpuRef, ...], Response]:
+        """The device IDs, GPUs and Response record of an answer, built once per answer the
+        manager keeps (it hands the same objects for the same request): the records of one
+        answer share them, which keeps a journal of 10,000 records small."""
+        hit = self._answers.get(id(response))
+        if hit is not None and hit[0] is response:
+            return hit[1]
+        shared = (tuple(d.id for d in devices),
+                  tuple(GpuRef(d.gpu_uuid, int(d.gpu_index)) for d in devices),
+                  response_record(response))
+        if len(self._answers) >= ANSWERS_KEPT:
+            self._answers.clear()
+        self._answers[id(response)] = (response, shared)
+        return shared
+
     def append(self, records: Iterable[Record]) -> None:
-        """Add `records`; return once a write holding them is durable."""
-        self._submit(added=list(records))
+        """Add `records` (new or replacing ones of the same ID); return once written."""
+        records = list(records)
+        try:
+            out = [frames.put_frame(r) for r in records]
+        except Exception as exc:  # a record msgpack cannot pack: a bug upstream; fail alone
+            log.exception("cannot pack an allocation record")
+            raise StateError(f"cannot write the journal {self.path}: cannot pack the record "
+                             f"({exc})") from exc
+
+        def add(held: dict) -> None:
+            for r in records:
+                held[r.id] = r
+            if self._fresh is not None:
+                self._fresh.update(r.id for r in records)
+
+        self._submit(out, add)
         for fn in self._listeners:
             fn()
 
     def apply(self, outcome: Outcome) -> bool:
         """Apply a reconciliation of (a snapshot of) the records: drop what it dropped,
         update what it kept, add what it adopted. Records appended since the snapshot are
-        untouched. Writes when anything changed; True then. StateError if the write failed
-        (kept in memory: the next write carries it)."""
+        untouched. Appends an entry for each drop, claim, re-keying and adoption (a newer
+        confirmation time alone changes memory only); True when it wrote. StateError if the
+        write failed (nothing changed then: the next reconciliation finds it all again)."""
         adopted = {r.id for r in outcome.adopted}
+        out: list[bytes] = []
         with self._cond:
             drop = [r.id for r, _ in outcome.dropped if r.id in self._records]
-            update = [r for r in outcome.kept if self._records.get(r.id, r) != r]
-            add = [r for r in outcome.kept if r.id in adopted and r.id not in self._records]
-        if not drop and not update and not add:
-            return False
+            update = []
+            for r in outcome.kept:
+                old = self._records.get(r.id)
+                if old is None:
+                    if r.id in adopted:
+                        update.append(r)
+                        out.append(frames.put_frame(r))
+                elif old != r:
+                    update.append(r)
+                    if old.gpus != r.gpus or old.devices != r.devices:
+                        out.append(frames.put_frame(r))
+                    elif old.pod != r.pod:
+                        out.append(frames.claim_frame(r))
+            out += [frames.drop_frame(rid) for rid in drop]
 
         def change(records: dict) -> None:
             for rid in drop:
                 records.pop(rid, None)
             for r in update:
-                if r.id in records:
+                if r.id in records or r.id in adopted:
                     records[r.id] = r
-            for r in add:
-                records.setdefault(r.id, r)
 
-        self._submit(change=change)
+        if not out:
+            if update:
+                with self._cond:
+                    change(self._records)
+                    self.version += 1
+            return False
+        self._submit(out, change)
         return True
 
-    def flush(self) -> None:
-        """Write the current records now (durable on return)."""
-        self._submit(change=lambda records: None)
+    def set_keyed_by(self, keyed_by: str) -> None:
+        """A new checkpointDeviceIDStrategy: noted in memory and in the journal."""
+        self.keyed_by = keyed_by
+        try:
+            self._submit([frames.meta_frame(self.boot, keyed_by, self.clock())],
+                         lambda records: None, count=False)
+        except StateError as exc:
+            log.warning("the journal does not note the new key yet: %s", exc)
 
-    def _submit(self, added: Sequence[Record] = (), change: Callable[[dict], None] | None = None
+    def flush(self) -> None:
+        """Make everything written so far durable now (fdatasync)."""
+        with self._fd_lock:
+            self._sync()
+
+    def close(self) -> None:
+        """Stop the worker, sync, close the file."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join(30)
+        with self._cond:
+            while self._writing:
+                self._cond.wait()
+            self._writing = True
+        try:
+            with self._fd_lock:
+                if self._fd >= 0:
+                    self._sync()
+                    os.close(self._fd)
+                    self._fd = -1
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    def _submit(self, out: list[bytes], change: Callable[[dict], None], count: bool = True
                 ) -> None:
         with self._cond:
             if self.blocked:
                 raise StateError(self.blocked)
-            batch = self._pending
+            batch = self._batch
             if batch is None:
-                batch = self._pending = _Batch()
-            batch.added.extend(added)
-            if change is not None:
-                batch.changes.append(change)
+                batch = self._batch = _Batch()
+            batch.frames.extend(out)
+            batch.changes.append(change)
             while not batch.done:
                 if self._writing:
                     self._cond.wait()
                     continue
                 # leader: write everything waiting, our batch included
-                self._writing, self._pending = True, None
-                error: BaseException | None = None
+                self._writing, self._batch = True, None
+                data = b"".join(batch.frames)
+                self._cond.release()
                 try:
-                    for fn in batch.changes:
-                        fn(self._records)
-                    for r in batch.added:
-                        self._records[r.id] = r
-                    self.version += 1
-                    snapshot = Checkpoint(tuple(sorted(self._records.values(),
-                                                       key=lambda r: (r.time, r.id))),
-                                          written=self.clock(), boot=self.boot,
-                                          keyed_by=self.keyed_by)
-                    self._cond.release()
-                    try:
-                        error = self._write(encode_chunks(snapshot, self._pack))
-                        if len(self._packed) > len(snapshot.records) + 64:
-                            live = {r.id for r in snapshot.records}
-                            self._packed = {k: v for k, v in self._packed.items() if k in live}
-                    finally:
-                        self._cond.acquire()
-                except Exception as exc:
-                    # not an OSError (a bug, a record msgpack cannot pack): fail this batch
-                    # like a failed write, never leave the followers behind it waiting
-                    log.exception("checkpoint write failed")
+                    error = self._append(data)
+                except Exception as exc:  # a bug: fail this batch, never strand followers
+                    log.exception("journal write failed")
                     error = exc
+                finally:
+                    self._cond.acquire()
+                if error is None:
+                    try:
+                        for fn in batch.changes:
+                            fn(self._records)
+                    finally:
+                        n = len(batch.frames) if count else 0
+                        self._size += len(data)
+                        self._entries += n
+                        if self._since is not None:
+                            self._since.append((data, n))
+                        self.version += 1
+                        self.writes += 1
+                        self.last_write = self.clock()
+                        if self._entries >= COMPACT_MIN_ENTRIES and \
+                                self._entries > 2 * len(self._records):
+                            self._compact_wanted = True
                 self._writing = False
                 batch.done, batch.error = True, error
-                if error is not None:
-                    for r in batch.added:
-                        if self._records.get(r.id) is r:
-                            del self._records[r.id]
-                    self.version += 1
                 self._cond.notify_all()
             if batch.error is not None:
-                raise StateError(f"cannot write the checkpoint {self.path}: "
+                raise StateError(f"cannot write the journal {self.path}: "
                                  f"{batch.error}") from batch.error
 
-    # -- the file ------------------------------------------------------------------------------
+    # -- the file (the writer role held) -------------------------------------------------------
 
-    def _pack(self, r: Record) -> bytes:
-        """A record's msgpack, packed once (records are immutable; only the leader of a
-        write calls this, one write at a time)."""
-        hit = self._packed.get(r.id)
-        if hit is not None and hit[0] is r:
-            return hit[1]
-        data = pack_record(r)
-        self._packed[r.id] = (r, data)
-        return data
-
-    def _write(self, chunks: Sequence[bytes]) -> OSError | None:
-        """Write `chunks`, one after another, as the checkpoint, atomically and durably; the
-        OSError if it failed (the previous file is then intact)."""
+    def _append(self, data: bytes) -> BaseException | None:
+        """Write `data` at the end of the journal; the OSError if it failed (cut back off)."""
         try:
-            write_atomic(self.path, chunks, 0o600)
+            if self._fd < 0:
+                error = self._open(rewrite=True)
+                if error is not None:
+                    return error
+            if self._cut_pending:
+                os.ftruncate(self._fd, self._size)
+                self._cut_pending = False
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self.sync_interval == 0 or self.failing:
+                with self._fd_lock:
+                    os.fdatasync(self._fd)
+                    self._synced = self._size + len(data)
+                    self.syncs += 1
         except OSError as exc:
-            if str(exc) != self.last_error:
-                log.error("cannot write the checkpoint %s: %s", self.path, exc)
-            self.last_error = str(exc)
+            if self._fd >= 0:
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    self._cut_pending = True  # tried again before the next write
+            self._failed("write", exc)
             return exc
-        if self.last_error and not self.blocked:
-            log.info("checkpoint %s written again", self.path)
-            self.last_error = ""
-        self.writes += 1
-        self.last_write = self.clock()
+        self._works()
         return None
+
+    def _open(self, rewrite: bool) -> OSError | None:
+        """Open the journal for appends; with `rewrite`, first write the records held as a
+        fresh file (atomically: at start, after a bad file, or when it could not be opened)."""
+        try:
+            if rewrite:
+                write_atomic(self.path, frames.encode_all(self._records, self.boot,
+                                                          self.keyed_by, self.clock()), 0o600)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            self._failed("open", exc)
+            return exc
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+            self._fd = fd
+        if rewrite:
+            self._entries = len(self._records)
+        self._size = self._synced = size
+        self._cut_pending = False
+        return None
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        reason = f"cannot {what} the journal {self.path}: {exc.strerror or exc}"
+        if reason != self.failing:
+            log.error("%s; Allocate answers UNAVAILABLE until it works again", reason)
+        self.failing = self.last_error = reason
+
+    def _works(self) -> None:
+        if self.failing:
+            log.info("journal %s is written again", self.path)
+            self.failing = ""
+
+    def _sync(self) -> None:
+        """fdatasync the journal (the _fd_lock held)."""
+        if self._fd < 0:
+            return
+        target = self._size
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self._failed("sync", exc)
+            return
+        self._synced = max(self._synced, target)
+        self.syncs += 1
+
+    # -- the worker: background sync and compaction ---------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._compact_wanted and not (
+                        self.sync_interval > 0 and self._size > self._synced):
+                    self._cond.wait(self.sync_interval or None)
+                if self._stop:
+                    return
+                compact, self._compact_wanted = self._compact_wanted, False
+                due = self.sync_interval > 0 and self._size > self._synced
+            if due:
+                with self._fd_lock:
+                    self._sync()
+                with self._cond:  # one sync per interval at most
+                    self._cond.wait(self.sync_interval)
+            if compact:
+                try:
+                    self._compact()
+                except Exception:  # the loop boundary: a bug; the old file stays in use
+                    log.exception("journal compaction failed unexpectedly")
+
+    def _compact(self) -> None:
+        """Rewrite the live records to a temp file while appends go on, then add what was
+        appended meanwhile and rename it over the journal."""
+        with self._cond:
+            while self._writing:
+                self._cond.wait()
+            if self._fd < 0 or self.blocked:
+                return
+            snapshot = dict(self._records)
+            self._since = []
+            entries_before = self._entries
+        tmp = self.path + TEMP_SUFFIX
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)
+            os.fchmod(fd, 0o600)
+            size = 0
+            for chunk in _chunks(frames.encode_all(snapshot, self.boot, self.keyed_by,
+                                                   self.clock())):
+                size += _write_all(fd, chunk)
+            os.fdatasync(fd)
+            with self._cond:  # the writer role for the switch: appends wait this long
+                while self._writing:
+                    self._cond.wait()
+                self._writing = True
+                since, self._since = self._since or [], None
+            try:
+                for data, _ in since:
+                    size += _write_all(fd, data)
+                os.fdatasync(fd)
+                os.rename(tmp, self.path)
+                with self._fd_lock:  # at once: the old inode is no longer the journal
+                    old, self._fd, fd = self._fd, fd, -1
+                    os.close(old)
+            finally:
+                with self._cond:
+                    if fd < 0:  # switched
+                        self._size = self._synced = size
+                        self._entries = len(snapshot) + sum(n for _, n in since)
+                        self.compactions += 1
+                    self._writing = False
+                    self._cond.notify_all()
+        except OSError as exc:
+            with self._cond:
+                self._since = None
+            log.error("cannot compact the journal %s (%s); appending to it as it is",
+                      self.path, exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        try:
+            fsync_dir(self.directory)
+        except OSError as exc:  # the rename may not survive a power loss: the old file then
+            log.warning("journal %s compacted, but syncing its directory failed: %s",
+                        self.path, exc)
+        log.info("journal %s compacted: %d entries → %d live records", self.path,
+                 entries_before, len(snapshot))
+
+
+def _chunks(parts: list[bytes], size: int = 1 << 16) -> Iterable[bytes]:
+    """`parts` joined into pieces of about `size` bytes (fewer write calls)."""
+    buf: list[bytes] = []
+    n = 0
+    for p in parts:
+        buf.append(p)
+        n += len(p)
+        if n >= size:
+            yield b"".join(buf)
+            buf, n = [], 0
+    if buf:
+        yield b"".join(buf)
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return len(data)
 
 
 _KIND_WORDS = {"truncated": "truncated", "corrupt": "corrupt", "version": "of an unknown "

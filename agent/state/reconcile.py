@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from agent.state.checkpoint import GpuRef, PodRef, Record
@@ -98,7 +98,7 @@ def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
                 notes.append(f"GPU {g.uuid}: index {g.index} is now {now.index}")
         out.append(GpuRef(now.uuid, now.index))
     if notes:
-        return replace(r, gpus=tuple(out)), "; ".join(notes)
+        return r._replace(gpus=tuple(out)), "; ".join(notes)
     return r, ""
 
 
@@ -110,11 +110,14 @@ def adopted_id(e: PodDevices) -> str:
 
 def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *,
               devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
-              now: float, grace: float = UNATTRIBUTED_GRACE_S) -> Outcome:
+              now: float, grace: float = UNATTRIBUTED_GRACE_S,
+              protected: frozenset[str] = frozenset()) -> Outcome:
     """Apply the rules of this module to `records`. `devices`: the devices advertised now by
     resource (objects with `.id`, `.gpu_uuid` and `.gpu_index`, agent.rm.devices.Device),
     or None when not known yet; `listing`: podresources' answer, or None when it could not
-    be had."""
+    be had. Records in `protected` (appended after the listing was asked for) are kept as they
+    are, and a listed container with one of their device sets is not adopted: a listing older
+    than a record cannot tell its container from the devices' previous holder."""
     dropped: list[tuple[Record, str]] = []
     rekeyed: list[tuple[Record, str]] = []
     current: list[Record] = []
@@ -154,6 +157,9 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
     # running container got
     for r in sorted(current, key=lambda r: (r.time, r.id), reverse=True):
+        if r.id in protected:  # newer than the listing: the next pass judges it
+            kept.append(r)
+            continue
         candidates = by_set.get((r.resource, frozenset(r.devices)), {})
         match = None
         if r.pod is not None and r.pod in candidates:
@@ -163,7 +169,7 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         if match is not None:
             del candidates[match]
             claimed.add((r.resource, match))
-            updated = replace(r, pod=match, confirmed=now)
+            updated = r.with_pod(match, now)
             kept.append(updated)
             if r.pod != match:
                 attributed.append(updated)
@@ -187,8 +193,13 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         else:
             kept.append(r)
     adopted = []
+    # a listed container with the device set of a record newer than the listing may be that
+    # record's (or the devices' previous holder): neither is decided on this listing
+    fresh_sets = {(r.resource, frozenset(r.devices)) for r in current if r.id in protected}
     for e in merged:
         if (e.resource, e.pod) in claimed or devices is None:
+            continue
+        if (e.resource, frozenset(e.device_ids)) in fresh_sets:
             continue
         known = {d.id: d for d in devices.get(e.resource, ())}
         if not e.device_ids or any(d not in known for d in e.device_ids):

@@ -1,0 +1,231 @@
+"""The reconciler: a thread that keeps the allocation journal matched to kubelet's pods.
+
+Owns: when to ask kubelet's podresources which container holds which devices (at start,
+shortly after each Allocate (debounced), every `period`, sooner while an allocation waits for
+its pod or kubelet does not answer), applying agent.state.reconcile's outcome to the journal,
+and reporting a podresources that is missing, too old (UNIMPLEMENTED) or not answering (log
+once per change, status; never fatal). Kubelet is asked with no lock held that Allocate, the
+main loop or a reload needs, and a record appended while kubelet is being asked is never judged
+by that (older) listing. Must not import grpc (the client comes in through `connect`, the
+daemon's agent.kubelet.podresources.PodResourcesClient), call NVML (the advertised devices come
+in through a callable), nor decide which records stand (agent.state.reconcile) or how they are
+stored (agent.state.journal).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from agent.errors import PodResourcesError, StateError
+from agent.state.journal import Journal
+from agent.state.reconcile import Outcome, PodDevices, reconcile
+
+log = logging.getLogger(__name__)
+
+# After an Allocate, reconcile once this much later (more Allocates in between share it).
+DEBOUNCE_S = 0.5
+# While an allocation waits for its pod to show up in podresources, look again this often.
+PENDING_RETRY_S = 1.0
+# While kubelet's podresources does not answer, try again this often (or the period if less).
+UNAVAILABLE_RETRY_S = 5.0
+STOP_WAIT_S = 11.0  # a pass in flight ends within its two RPC timeouts
+
+
+class Reconciler:
+    """The thread that keeps the journal's records matched to kubelet's pods."""
+
+    def __init__(self, journal: Journal, socket_path: str, *,
+                 connect: Callable[[str], Any],
+                 devices: Callable[[], Mapping[str, Sequence[Any]] | None], period: float,
+                 clock: Callable[[], float] = time.time):
+        self.journal = journal
+        self.connect = connect  # socket path -> a podresources client (list, allocatable)
+        self.devices = devices
+        self.period = period
+        self.clock = clock
+        self.client = connect(socket_path) if socket_path else None
+        self._socket_path = socket_path
+        self._reconnect: str | None = None  # a new socket path, taken up by the next pass
+        self._settings = threading.Lock()  # client, socket path and period; never held long
+        self._cond = threading.Condition()
+        self._due: float | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._pass = threading.Lock()  # one reconciliation at a time (nothing else takes it)
+        self.version = 0
+        self.runs = 0
+        self.last_run: float | None = None
+        self.error = ""
+        self.error_kind = ""
+        self.allocatable: dict[str, int] | None = None
+        self.allocatable_error = ""
+        self._allocatable_unimplemented = False
+        self.last_outcome: dict | None = None
+
+    @property
+    def socket_path(self) -> str:
+        return self._socket_path
+
+    def start(self) -> None:
+        """Start the thread; the first reconciliation runs at once."""
+        self._due = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(STOP_WAIT_S)
+        with self._settings:
+            if self.client is not None:
+                self.client.close()
+
+    def poke(self, delay: float = 0.0) -> None:
+        """Reconcile within `delay` s (an earlier one already due stays)."""
+        at = time.monotonic() + delay
+        with self._cond:
+            if self._due is None or at < self._due:
+                self._due = at
+                self._cond.notify_all()
+
+    def configure(self, socket_path: str, period: float) -> None:
+        """New settings (SIGHUP): used from the next reconciliation, which runs at once.
+        Returns at once, even while a reconciliation waits on kubelet."""
+        with self._settings:
+            if socket_path != self._socket_path:
+                self._socket_path = self._reconnect = socket_path
+            self.period = period
+        self.poke()
+
+    def _client(self) -> Any:
+        """The client this pass asks (a new socket path takes effect here)."""
+        with self._settings:
+            if self._reconnect is not None:
+                old, self.client = self.client, (self.connect(self._reconnect)
+                                                 if self._reconnect else None)
+                self._reconnect = None
+                self._allocatable_unimplemented = False
+                if old is not None:
+                    old.close()
+            return self.client
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._due is None or time.monotonic() < self._due):
+                    timeout = None if self._due is None else self._due - time.monotonic()
+                    self._cond.wait(timeout)
+                if self._stop:
+                    return
+                self._due = None
+            try:
+                outcome = self.run_once()
+            except Exception:  # the loop boundary: a bug; show it and keep reconciling
+                log.exception("reconciliation failed unexpectedly")
+                outcome = None
+            if outcome is None or not outcome.listed:
+                delay = min(self.period, UNAVAILABLE_RETRY_S) if self.period else \
+                    UNAVAILABLE_RETRY_S
+            elif outcome.pending:
+                delay = PENDING_RETRY_S
+            else:
+                delay = self.period
+            if delay:
+                self.poke(delay)
+
+    # -- one reconciliation -------------------------------------------------------------------
+
+    def _list(self, client: Any) -> list[PodDevices] | None:
+        if client is None:
+            self._report("disabled", "no podresources socket configured: allocations are not "
+                                     "attributed to pods")
+            return None
+        try:
+            listing = client.list()
+        except PodResourcesError as exc:
+            self._report(exc.kind, str(exc))
+            return None
+        if self.error:
+            log.info("podresources answers again on %s", client.socket_path)
+        self.error = self.error_kind = ""
+        if not self._allocatable_unimplemented:
+            try:
+                self.allocatable = {k: len(v) for k, v in client.allocatable().items()}
+                self.allocatable_error = ""
+            except PodResourcesError as exc:
+                if exc.kind == "unimplemented":
+                    self._allocatable_unimplemented = True
+                    log.warning("%s; allocatable devices are not reported", exc)
+                self.allocatable, self.allocatable_error = None, str(exc)
+        return listing
+
+    def _report(self, kind: str, message: str) -> None:
+        if message != self.error:
+            (log.info if kind == "disabled" else log.warning)(
+                "%s; allocations stay as recorded until it answers", message)
+        self.error, self.error_kind = message, kind
+
+    def run_once(self) -> Outcome | None:
+        """Ask kubelet, reconcile, apply; the outcome (None if the journal write failed)."""
+        with self._pass:
+            # Records appended from here on are not judged by this listing (fresh): it may
+            # predate their containers. The listing comes before the records are read: a
+            # container kubelet lists had its Allocate answered, hence recorded, by then (no
+            # false adoption).
+            self.journal.mark()
+            listing = self._list(self._client())
+            records = self.journal.records()
+            outcome = reconcile(records, listing, devices=self.devices(),
+                                keyed_by=self.journal.keyed_by, boot=self.journal.boot,
+                                now=self.clock(), protected=self.journal.fresh())
+            try:
+                self.journal.apply(outcome)
+            except StateError as exc:
+                log.error("reconciliation not saved: %s", exc)
+                return None
+            finally:
+                self.runs += 1
+                self.last_run = self.clock()
+                self.version += 1
+            for r in outcome.attributed:
+                log.info("allocation of %s attributed to pod %s", _devices(r), r.pod)
+            for r in outcome.adopted:
+                log.info("allocation of %s to pod %s adopted from podresources (no record of "
+                         "its Allocate)", _devices(r), r.pod)
+            for r, note in outcome.rekeyed:
+                log.warning("allocation of %s kept: %s (checkpointDeviceIDStrategy %s)",
+                            _devices(r), note, self.journal.keyed_by)
+            for r, why in outcome.dropped:
+                log.info("allocation of %s%s dropped: %s", _devices(r),
+                         f" (pod {r.pod})" if r.pod else "", why)
+            self.last_outcome = {"listed": outcome.listed, "kept": len(outcome.kept),
+                                 "attributed": len(outcome.attributed),
+                                 "adopted": len(outcome.adopted),
+                                 "dropped": len(outcome.dropped), "pending": outcome.pending}
+            return outcome
+
+    def status(self) -> dict:
+        return {
+            "socket": self.socket_path,
+            "answering": not self.error,
+            "error": self.error,
+            "errorKind": self.error_kind,
+            "allocatable": self.allocatable,
+            "allocatableError": self.allocatable_error,
+            "reconciles": self.runs,
+            "lastReconcile": self.last_run,
+            "lastOutcome": self.last_outcome,
+            "period": self.period,
+        }
+
+
+def _devices(r: Any) -> str:
+    gpus = ", ".join(f"{d} (GPU {g.index} {g.uuid})" if d != g.uuid else f"GPU {g.index} {g.uuid}"
+                     for d, g in zip(r.devices, r.gpus))
+    return f"{r.resource} [{gpus}]"
