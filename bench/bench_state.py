@@ -1,12 +1,13 @@
-"""The allocation journal's cost: what checkpointing adds to Allocate, and how long a restart
-takes to load and reconcile a large checkpoint.
+"""The allocation journal's cost: what journaling adds to Allocate, and how long a restart
+takes to load and reconcile a large journal.
 
 Owns: measuring Allocate over a real plugin socket against a server process with the journal
-(checkpoint on the machine's disk, every write fsynced) and without it, with 1 blocking caller
-and with 64 concurrent grpc.aio callers; the journal alone (record_allocation, 1 and 64
-threads); and, for 10,000 records, the checkpoint's size, its decode, the journal's load
-(read + decode), one reconciliation against a 10,000-container podresources listing, and one
-full rewrite (encode + fsync). Figures only; the tests assert behaviour, never time.
+(on the machine's disk, appended per group of Allocates, synced in the background) and without
+it, with 1 blocking caller and with 64 concurrent grpc.aio callers; the journal alone
+(record_allocation, 1 and 64 threads); and, for 10,000 records, the journal's size, its replay,
+the journal's load (read + replay + open), one reconciliation against a 10,000-container
+podresources listing, and one rewrite of the live records as compaction writes them. Figures
+only; the tests assert behaviour, never time.
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ def serve(socket_dir: str, state_dir: str) -> None:
     from agent.kubelet.plugin import PluginServer
     from agent.rm.allocate import ResponseOptions
     from agent.rm.manager import ResourceManager
-    from agent.state.journal import CHECKPOINT_FILE, Journal
+    from agent.state.journal import JOURNAL_FILE, Journal
 
     journal = None
     if state_dir:
-        journal = Journal(os.path.join(state_dir, CHECKPOINT_FILE), boot="bench")
+        journal = Journal(os.path.join(state_dir, JOURNAL_FILE), boot="bench")
         journal.load()
     manager = ResourceManager(RESOURCE, _devices(), ResponseOptions(),
                               journal=journal.record_allocation if journal else None)
@@ -114,10 +115,10 @@ def _many_callers(socket: str) -> list[float]:
 def _journal_direct(work: str, threads: int) -> tuple[list[float], int, int]:
     """record_allocation timed in-process from `threads` threads; (samples, calls, writes)."""
     from agent.rm.allocate import ResponseOptions, container_response
-    from agent.state.journal import CHECKPOINT_FILE, Journal
+    from agent.state.journal import JOURNAL_FILE, Journal
 
     d = tempfile.mkdtemp(prefix="j", dir=work)
-    journal = Journal(os.path.join(d, CHECKPOINT_FILE), boot="bench")
+    journal = Journal(os.path.join(d, JOURNAL_FILE), boot="bench")
     journal.load()
     devices = _devices()[:2]
     containers = [(devices, container_response(devices, ResponseOptions()))]
@@ -144,33 +145,35 @@ def _journal_direct(work: str, threads: int) -> tuple[list[float], int, int]:
     return samples, len(samples), journal.writes
 
 
-def _big_checkpoint(work: str) -> dict:
-    """Figures for a checkpoint of RECORDS records (1-2 GPUs each, envvar + CDI annotation
+def _big_journal(work: str) -> dict:
+    """Figures for a journal of RECORDS records (1-2 GPUs each, envvar + CDI annotation
     responses), all attributed, reconciled against a listing naming every container."""
+    from agent.fileio import write_atomic
     from agent.state import checkpoint as ck
-    from agent.state.journal import CHECKPOINT_FILE, Journal
+    from agent.state import frames
+    from agent.state.journal import JOURNAL_FILE, Journal
     from agent.state.reconcile import PodDevices, reconcile
 
     devices = _devices()
     now = time.time()
-    records = []
+    records = {}
     listing = []
     for i in range(RECORDS):
         ds = [devices[i % 8]] + ([devices[(i + 1) % 8]] if i % 2 else [])
         pod = ck.PodRef(f"ns-{i % 50}", f"pod-{i}", "main")
         ids = tuple(d.id for d in ds)
-        records.append(ck.Record(
-            id=uuid.uuid4().hex, resource=RESOURCE, devices=ids,
+        rid = uuid.uuid4().hex
+        records[rid] = ck.Record(
+            id=rid, resource=RESOURCE, devices=ids,
             gpus=tuple(ck.GpuRef(d.gpu_uuid, d.gpu_index) for d in ds),
             response=ck.Response(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)},
                                  annotations={f"cdi.k8s.io/gpu-agent_{uuid.uuid4()}":
                                               ",".join(f"nvidia.com/gpu={i}" for i in ids)},
                                  cdi_devices=tuple(f"nvidia.com/gpu={i}" for i in ids)),
-            time=now - RECORDS + i, boot="bench", pod=pod, confirmed=now - 1))
+            time=now - RECORDS + i, boot="bench", pod=pod, confirmed=now - 1)
         listing.append(PodDevices(pod.namespace, pod.name, pod.container, RESOURCE, ids))
-    cp = ck.Checkpoint(records=tuple(records), written=now, boot="bench", keyed_by="uuid")
     d = tempfile.mkdtemp(prefix="big", dir=work)
-    path = os.path.join(d, CHECKPOINT_FILE)
+    path = os.path.join(d, JOURNAL_FILE)
 
     def timed(fn, repeat=5):
         out = []
@@ -180,14 +183,17 @@ def _big_checkpoint(work: str) -> dict:
             out.append(time.perf_counter() - start)
         return statistics.median(out), value
 
-    encode_s, data = timed(lambda: ck.encode(cp))
+    encode_s, chunks = timed(lambda: frames.encode_all(records, "bench", "uuid", now))
+    data = b"".join(chunks)
     with open(path, "wb") as f:
         f.write(data)
-    decode_s, _ = timed(lambda: ck.decode(data))
+    scan_s, _ = timed(lambda: frames.scan(data))
+    journals = []
 
     def load():
         j = Journal(path, boot="bench")
         j.load()
+        journals.append(j)
         return j
 
     load_s, journal = timed(load)
@@ -196,10 +202,13 @@ def _big_checkpoint(work: str) -> dict:
                                                    devices=by_resource, keyed_by="uuid",
                                                    boot="bench", now=now))
     assert len(outcome.kept) == RECORDS and not outcome.dropped
-    apply_s, _ = timed(lambda: journal.apply(outcome), repeat=1)  # confirmed times change
-    flush_s, _ = timed(journal.flush)
-    return {"size": len(data), "encode": encode_s, "decode": decode_s, "load": load_s,
-            "reconcile": reconcile_s, "apply": apply_s, "flush": flush_s}
+    apply_s, _ = timed(lambda: journal.apply(outcome), repeat=1)  # confirmed times only
+    rewrite_s, _ = timed(lambda: write_atomic(
+        path + ".bench", frames.encode_all(journal._records, "bench", "uuid", now)))
+    for j in journals:
+        j.close()
+    return {"size": len(data), "encode": encode_s, "scan": scan_s, "load": load_s,
+            "reconcile": reconcile_s, "apply": apply_s, "rewrite": rewrite_s}
 
 
 def _ms(seconds: float) -> str:
@@ -208,19 +217,19 @@ def _ms(seconds: float) -> str:
 
 def run() -> Section:
     section = Section(
-        title="Allocation state: checkpoint cost on Allocate, load and reconcile at scale",
+        title="Allocation state: journal cost on Allocate, load and reconcile at scale",
         method=(
             "A plugin server process (one resource, 8 devices, envvar responses) serving "
-            "Allocate on a unix socket, with the journal (checkpoint on the local disk, temp "
-            "file + fsync + rename + directory fsync per write, concurrent Allocates sharing "
-            "a write) and without it; a 2-GPU request from 1 blocking caller "
+            "Allocate on a unix socket, with the journal (append-only file on the local disk, "
+            "one write per group of concurrent Allocates, fdatasync every second in the "
+            "background) and without it; a 2-GPU request from 1 blocking caller "
             f"({ONE_CALLER_CALLS} calls) and from {MANY_CALLERS} concurrent grpc.aio callers "
             f"× {CALLS_PER_CALLER} calls on one channel. The journal alone: "
             f"record_allocation from 1 thread and from 64 threads ({JOURNAL_CALLS} calls). "
-            f"Restart at scale: a checkpoint of {RECORDS:,} attributed records decoded, "
-            "loaded by the journal (read + decode), reconciled against a podresources "
-            f"listing of {RECORDS:,} containers, the outcome applied (one rewrite), and one "
-            "more rewrite (encode + fsync)."),
+            f"Restart at scale: a journal of {RECORDS:,} attributed records replayed, "
+            "loaded (read + replay + open), reconciled against a podresources listing of "
+            f"{RECORDS:,} containers, the outcome applied, and a rewrite of the live records "
+            "as compaction writes them."),
         header=["measure", "median", "p99", "notes"],
     )
     work = tempfile.mkdtemp(prefix="gabs", dir="/var/tmp")
@@ -251,37 +260,36 @@ def run() -> Section:
             section.rows.append([f"**added by the journal, {callers}**", _ms(added50),
                                  _ms(added99), "p50 and p99 differences"])
         section.notes.append(
-            f"No pod ends in this run, so nothing is dropped: the checkpoint grows from 0 to "
-            f"{results['with journal'][3]:,} records while it runs, and every write carries "
-            f"all of them; the figures are an upper bound for a node with fewer live "
-            f"allocations.")
+            f"No pod ends in this run, so nothing is dropped: the journal grows from 0 to "
+            f"{results['with journal'][3]:,} records while it runs.")
         for threads in (1, 64):
             samples, calls, writes = _journal_direct(work, threads)
             section.rows.append([f"journal.record_allocation, {threads} thread"
                                  f"{'s' if threads > 1 else ''}",
                                  _ms(statistics.median(samples)), _ms(percentile(samples, 99)),
                                  f"{calls} records in {writes} writes"])
-        big = _big_checkpoint(work)
+        big = _big_journal(work)
         section.rows += [
-            [f"decode {RECORDS:,} records", _ms(big["decode"]), "",
+            [f"replay a journal of {RECORDS:,} records (frames.scan)", _ms(big["scan"]), "",
              f"file {big['size'] / 1e6:.2f} MB"],
-            [f"load {RECORDS:,} records (read + decode)", _ms(big["load"]), "", ""],
+            [f"load {RECORDS:,} records (read + replay + open)", _ms(big["load"]), "", ""],
             [f"reconcile {RECORDS:,} records with {RECORDS:,} listed containers",
              _ms(big["reconcile"]), "", "all matched"],
             ["**load + reconcile**", _ms(big["load"] + big["reconcile"]), "",
-             "what a restart spends before the first write"],
-            [f"apply the outcome: first rewrite of {RECORDS:,} records", _ms(big["apply"]), "",
-             "packs every record once"],
-            [f"rewrite {RECORDS:,} records, packed records cached", _ms(big["flush"]), "",
-             f"encode without the cache {_ms(big['encode'])}"],
+             "target ≤ 200 ms: " + ("met" if big["load"] + big["reconcile"] <= 0.2
+                                    else "**not met**")],
+            ["apply the outcome", _ms(big["apply"]), "",
+             "newer confirmation times only: memory, no write"],
+            [f"compaction-size rewrite of {RECORDS:,} records (encode + write + fsync)",
+             _ms(big["rewrite"]), "", f"encode alone {_ms(big['encode'])}"],
         ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     section.notes += [
-        "Each write rewrites the whole file, so its cost grows with the number of live "
-        "records (records of ended pods are dropped at each reconciliation); a node holds "
-        "one record per container with GPUs, tens to a few hundred in practice.",
-        "The checkpoint is on /var/tmp (the local disk); fsync cost depends on the disk and "
-        "its cache (a VM's virtual disk here).",
+        "Each write appends one frame per record (docs/state.md): its cost does not depend on "
+        "how many records the journal holds; compaction rewrites the live records in the "
+        "background when the file holds more than twice as many entries.",
+        "The journal is on /var/tmp (the local disk); fdatasync runs in the background every "
+        "second (agent.journalSyncInterval), so its cost is not in Allocate.",
     ]
     return section

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from agent.state.checkpoint import GpuRef, PodRef, Record
@@ -51,7 +52,7 @@ class PodDevices:
     resource: str
     device_ids: tuple[str, ...]
 
-    @property
+    @cached_property
     def pod(self) -> PodRef:
         return PodRef(self.namespace, self.name, self.container)
 
@@ -71,16 +72,25 @@ class Outcome:
 
 def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
     """Entries of the same container and resource merged (device IDs in first-seen order)."""
-    merged: dict[tuple, list[str]] = {}
+    merged: dict[tuple, PodDevices] = {}
     for e in entries:
-        ids = merged.setdefault((e.namespace, e.name, e.container, e.resource), [])
-        ids.extend(d for d in e.device_ids if d not in ids)
-    return [PodDevices(*key, tuple(ids)) for key, ids in merged.items()]
+        key = (e.namespace, e.name, e.container, e.resource)
+        seen = merged.get(key)
+        if seen is None:
+            merged[key] = e  # most containers come in one piece: kept as it is
+        else:
+            ids = list(seen.device_ids)
+            ids.extend(d for d in e.device_ids if d not in ids)
+            merged[key] = PodDevices(*key, tuple(ids))
+    return list(merged.values())
 
 
 def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
                   ) -> tuple[Record | None, str]:
     """(the record with its GPUs resolved, a note of what changed) or (None, why dropped)."""
+    table = by_index if keyed_by == "index" else by_uuid
+    if all(table.get(g.index if keyed_by == "index" else g.uuid) == g for g in r.gpus):
+        return r, ""  # the usual case: every GPU where it was
     out, notes = [], []
     for g in r.gpus:
         if keyed_by == "index":
@@ -147,9 +157,10 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
     owner: dict[tuple[str, str], PodRef] = {}
     live_pods = set()
     for e in merged:
-        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[e.pod] = None
+        pod = e.pod
+        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[pod] = None
         for d in e.device_ids:
-            owner[(e.resource, d)] = e.pod
+            owner[(e.resource, d)] = pod
         live_pods.add((e.namespace, e.name))
     claimed: set[tuple[str, PodRef]] = set()
     kept: list[Record] = []
@@ -169,9 +180,13 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         if match is not None:
             del candidates[match]
             claimed.add((r.resource, match))
-            updated = r.with_pod(match, now)
-            kept.append(updated)
-            if r.pod != match:
+            if r.pod is match or r.pod == match:
+                kept.append(Record(r.id, r.resource, r.devices, r.gpus, r.response, r.time,
+                                   r.boot, r.pod, now))
+            else:
+                updated = Record(r.id, r.resource, r.devices, r.gpus, r.response, r.time,
+                                 r.boot, match, now)
+                kept.append(updated)
                 attributed.append(updated)
             continue
         if r.pod is not None:
