@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
 import msgpack
@@ -66,14 +67,16 @@ class DeviceSpecRec(NamedTuple):
     permissions: str
 
 
-@dataclass(frozen=True)
-class Response:
-    """The ContainerAllocateResponse given, as plain data."""
+_NONE: Mapping[str, str] = MappingProxyType({})
 
-    envs: Mapping[str, str] = field(default_factory=dict)
+
+class Response(NamedTuple):
+    """The ContainerAllocateResponse given, as plain data (never changed once made)."""
+
+    envs: Mapping[str, str] = _NONE
     mounts: tuple[MountRec, ...] = ()
     devices: tuple[DeviceSpecRec, ...] = ()
-    annotations: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = _NONE
     cdi_devices: tuple[str, ...] = ()
 
 
@@ -285,13 +288,37 @@ def _fast_str_map(value: Any) -> dict:
     return value
 
 
+def _fast_response(resp: Any) -> Response:
+    if type(resp) is not dict or len(resp) != len(_RESPONSE_KEYS):
+        raise _Slow
+    try:
+        envs, mounts, specs = resp["envs"], resp["mounts"], resp["devices"]
+        annotations, cdi = resp["annotations"], resp["cdiDevices"]
+    except KeyError:
+        raise _Slow from None
+    if type(mounts) is not list or type(specs) is not list:
+        raise _Slow
+    for m in mounts:
+        if type(m) is not list or len(m) != 3 or type(m[0]) is not str or \
+                type(m[1]) is not str or type(m[2]) is not bool:
+            raise _Slow
+    for s in specs:
+        if type(s) is not list or len(s) != 3 or not all(type(x) is str for x in s):
+            raise _Slow
+    return Response(_fast_str_map(envs), tuple(MountRec(*m) for m in mounts) if mounts else (),
+                    tuple(DeviceSpecRec(*s) for s in specs) if specs else (),
+                    _fast_str_map(annotations), _fast_strs(cdi))
+
+
 def _fast_record(d: Any) -> Record:
     """`_checked_record` for well-formed input, without building error paths (a restart
     decodes every record); raises _Slow on anything else, never accepts more than it."""
     if type(d) is not dict or len(d) != len(_RECORD_KEYS):
         raise _Slow
     try:
-        rid, resource, devices, gpus, resp, t, boot, pod, confirmed = (d[k] for k in _RECORD_KEYS)
+        rid, resource, devices, gpus, resp = d["id"], d["resource"], d["devices"], d["gpus"], \
+            d["response"]
+        t, boot, pod, confirmed = d["time"], d["boot"], d["pod"], d["confirmed"]
     except KeyError:
         raise _Slow from None
     if type(rid) is not str or type(resource) is not str or type(boot) is not str:
@@ -306,34 +333,14 @@ def _fast_record(d: Any) -> Record:
         if type(g) is not list or len(g) != 2 or type(g[0]) is not str or type(g[1]) is not int:
             raise _Slow
         refs.append(GpuRef(g[0], g[1]))
-    response = None
-    if resp is not None:
-        if type(resp) is not dict or len(resp) != len(_RESPONSE_KEYS):
-            raise _Slow
-        try:
-            envs, mounts, specs, annotations, cdi = (resp[k] for k in _RESPONSE_KEYS)
-        except KeyError:
-            raise _Slow from None
-        if type(mounts) is not list or type(specs) is not list:
-            raise _Slow
-        for m in mounts:
-            if type(m) is not list or len(m) != 3 or type(m[0]) is not str or \
-                    type(m[1]) is not str or type(m[2]) is not bool:
-                raise _Slow
-        for s in specs:
-            if type(s) is not list or len(s) != 3 or not all(type(x) is str for x in s):
-                raise _Slow
-        response = Response(envs=_fast_str_map(envs), mounts=tuple(MountRec(*m) for m in mounts),
-                            devices=tuple(DeviceSpecRec(*s) for s in specs),
-                            annotations=_fast_str_map(annotations), cdi_devices=_fast_strs(cdi))
+    response = None if resp is None else _fast_response(resp)
     if pod is not None:
         pod = _fast_strs(pod)
         if len(pod) != 3:
             raise _Slow
         pod = PodRef(*pod)
-    return Record(id=rid, resource=resource, devices=_fast_strs(devices), gpus=tuple(refs),
-                  response=response, time=float(t), boot=boot, pod=pod,
-                  confirmed=None if confirmed is None else float(confirmed))
+    return Record(rid, resource, _fast_strs(devices), tuple(refs), response, float(t), boot,
+                  pod, None if confirmed is None else float(confirmed))
 
 
 def record_from_data(value: Any, where: str) -> Record:
