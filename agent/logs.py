@@ -1,50 +1,117 @@
-"""The agent's logging: one line per record on stderr (journald adds the time), written by a
-background thread while the daemon runs.
+"""The agent's logging: one line per record on stderr (journald adds the time), and a writer
+thread that takes the hot path's lines off it.
 
-Owns: `setup(level, background)`. With `background` (the `run` command), a record costs the
-thread that logs it only its creation and a queue put: formatting and the write to stderr
-happen on a logging.handlers.QueueListener thread, so the INFO line every Allocate writes costs microseconds
-on the hot path; `setup` returns the function that drains the queue and stops the writer
-(called on every exit path). It also turns off the record fields the one-line format never
-shows (caller's file and line, process name), as the logging HOWTO's "Optimization" section
-describes. Messages are formatted later, on the writer thread: log immutable values (strings,
-numbers), never a list or dict that changes after the call. Must not import anything of `agent`.
+Owns: `setup(level, background)` and `later(logger, level, msg, *args)`. Records are written
+by the thread that logs them, as usual, except those of `later`: with `background` (the `run`
+command) the caller only appends the message and its arguments to a queue, and the
+`log-writer` thread formats the lines and writes each burst to stderr with one write (at most
+every BATCH_S while lines come, never while none do; in the format of every other line, not
+through logging's handlers). That is for the INFO line every Allocate writes: it
+costs the Allocate a deque append instead of a record, a format and a write. Such a line may
+appear up to BATCH_S after the lines logged after it. `setup` returns the function that drains
+the queue and stops the writer (called on every exit path). It also turns off the record
+fields the one-line format never shows (caller's file and line, thread and process names), as
+the logging HOWTO's "Optimization" section describes. Arguments given to `later` are
+formatted on the writer thread: pass immutable values (strings, numbers). Must not import
+anything of `agent`.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import logging.handlers
-import queue
 import sys
-from typing import Callable
+import threading
+import time
+from typing import Any, Callable
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
+BATCH_S = 0.02  # a woken writer lets a burst gather this long, then writes all of it
 
 
-class _Enqueue(logging.handlers.QueueHandler):
-    """Hands the record over as it is: the writer thread formats it (QueueHandler's own
-    prepare() would format here, on the caller's thread)."""
+class _Writer:
+    """The queue of `later` lines and the thread that logs them."""
 
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        return record
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)  # atomic; the writer drains after it clears `wake`
+        if not self.wake.is_set():
+            self.wake.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(5)
+        self._drain()
+
+    def _run(self) -> None:
+        while not self.stopping:
+            self.wake.wait()
+            if not self.stopping:
+                time.sleep(BATCH_S)
+            self.wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        lines = []
+        while self.items:
+            logger, level, msg, args = self.items.popleft()
+            try:
+                text = msg % args
+            except (TypeError, ValueError) as exc:  # a bad format: say so, keep going
+                text = f"unloggable message {msg!r} {args!r}: {exc}"
+            lines.append(FORMAT % {"levelname": logging.getLevelName(level),
+                                   "name": logger.name, "message": text})
+        if lines:  # one write for the burst, in the format of every other line
+            try:
+                sys.stderr.write("\n".join(lines) + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # stderr gone (the journal restarting): nothing to tell it with
+
+
+_writer: _Writer | None = None
+
+
+def later(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
+    """`logger.log(level, msg, *args)`, with the record made on the writer thread when there
+    is one (the arguments must not change afterwards)."""
+    if not logger.isEnabledFor(level):
+        return
+    writer = _writer
+    if writer is None:
+        logger.log(level, msg, *args)
+    else:
+        writer.put((logger, level, msg, args))
 
 
 def setup(level: int, background: bool = False) -> Callable[[], None]:
     """Log at `level` to stderr; returns what stops the writer thread (a no-op without
     `background`)."""
+    global _writer
     logging._srcfile = None  # no findCaller(): the format shows no file or line
+    logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.setLevel(level)
+    root.addHandler(stream)
     if not background:
-        root.addHandler(stream)
         return lambda: None
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(q, stream)
-    root.addHandler(_Enqueue(q))
-    listener.start()
-    return listener.stop
+    writer = _Writer()
+    writer.thread.start()
+    _writer = writer
+
+    def stop() -> None:
+        global _writer
+        _writer = None
+        writer.stop()
+
+    return stop

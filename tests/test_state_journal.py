@@ -340,3 +340,16 @@ def test_a_read_only_state_dir_refuses_and_recovers_on_remount(small_fs):
     assert again.status()["failing"] == ""
     again.close()
     assert journal_at(small_fs).records() == (kept, later)
+
+
+def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state):
+    # record_allocation packs each answer once and only the ID and time per Allocate: the
+    # bytes must be those put_frame writes, or a replay would read something else
+    j = journal_at(state)
+    first = allocate(j, 2, 3)
+    second = allocate(j, 2, 3)
+    j.close()
+    raw = _raw(state)
+    for r in (first, second):
+        assert frames.put_frame(r) in raw
+    assert journal_at(state).records() == (first, second)

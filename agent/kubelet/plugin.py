@@ -19,6 +19,7 @@ from concurrent import futures
 
 import grpc
 
+from agent import logs
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
@@ -68,22 +69,40 @@ def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
     )
 
 
+class _Gpus:
+    """A container's GPUs as the Allocate log line shows them, formatted when written (by
+    agent.logs' writer thread; `by_id` is replaced on a reload, never changed)."""
+
+    __slots__ = ("by_id", "ids")
+
+    def __init__(self, by_id: dict, ids: list[str]):
+        self.by_id, self.ids = by_id, ids
+
+    def __str__(self) -> str:
+        return ", ".join(f"{self.by_id[i].gpu_uuid} (GPU {self.by_id[i].gpu_index})"
+                         for i in self.ids)
+
+
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
-        # the message built for each ContainerResponse the manager keeps (by identity)
-        self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse]] = {}
+        # the messages built for each ContainerResponse the manager keeps (by identity): the
+        # container's, and the whole answer to a one-container request (kubelet's usual)
+        self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse,
+                                        dp.AllocateResponse]] = {}
 
-    def _message(self, r: ContainerResponse) -> dp.ContainerAllocateResponse:
+    def _message(self, r: ContainerResponse) -> tuple[dp.ContainerAllocateResponse,
+                                                      dp.AllocateResponse]:
         hit = self._messages.get(id(r))
         if hit is not None and hit[0] is r:
-            return hit[1]
+            return hit[1], hit[2]
         message = _container_response(r)
+        whole = dp.AllocateResponse(container_responses=[message])
         if len(self._messages) >= ANSWERS_KEPT:
             self._messages.clear()
-        self._messages[id(r)] = (r, message)
-        return message
+        self._messages[id(r)] = (r, message, whole)
+        return message, whole
 
     def GetDevicePluginOptions(self, request, context):
         return self.plugin.options
@@ -135,12 +154,12 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         except StateError as exc:  # not recorded: kubelet must not start the container
             log.error("%s: Allocate failed: %s", self.manager.resource, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        if log.isEnabledFor(logging.INFO):
-            by_id = self.manager.by_id
-            for container in ids:
-                log.info("%s: allocated to a container: %s", self.manager.resource, ", ".join(
-                    f"{by_id[i].gpu_uuid} (GPU {by_id[i].gpu_index})" for i in container))
-        return dp.AllocateResponse(container_responses=[self._message(r) for r in responses])
+        for container in ids:  # the line operators grep for, made off this thread
+            logs.later(log, logging.INFO, "%s: allocated to a container: %s",
+                       self.manager.resource, _Gpus(self.manager.by_id, container))
+        if len(responses) == 1:
+            return self._message(responses[0])[1]  # sent as is: nothing changes it
+        return dp.AllocateResponse(container_responses=[self._message(r)[0] for r in responses])
 
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()

@@ -78,7 +78,7 @@ class Resources:
     def _record(self, resource: str, allocations: list) -> object:
         """The managers' journal hook. The journal loads after the first registration (it is
         not on the start path): an Allocate that comes before it waits, then is recorded."""
-        if not self._journal_set.wait(JOURNAL_WAIT_S):
+        if self._journal is None and not self._journal_set.wait(JOURNAL_WAIT_S):
             raise StateError(f"the allocation journal is not loaded after {JOURNAL_WAIT_S:g} s")
         return self._journal(resource, allocations)
 

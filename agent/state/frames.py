@@ -73,6 +73,36 @@ def put_frame(r: Record) -> bytes:
     return _pack(["put", record_data(r)])
 
 
+# A "put" entry of a new Allocate record, assembled from pieces packed once per answer: the
+# same bytes put_frame writes (record_data's key order), without packing the whole map again.
+_PUT_HEAD = b"\x92" + msgpack.packb("put") + b"\x89" + msgpack.packb("id")
+_TIME = struct.Struct(">Bd")  # msgpack float 64
+
+
+def answer_piece(r: Record) -> bytes:
+    """The packed resource, devices, GPUs and response of `r`: what records of one answer
+    share."""
+    data = record_data(r)
+    return b"".join(msgpack.packb(k) + msgpack.packb(data[k], use_bin_type=True)
+                    for k in ("resource", "devices", "gpus", "response"))
+
+
+def tail_piece(boot: str) -> bytes:
+    """The packed boot, pod (none) and confirmed (none) of a new record."""
+    return b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in
+                    (("boot", boot), ("pod", None), ("confirmed", None)))
+
+
+def new_put_frame(record_id: str, time: float, answer: bytes, tail: bytes) -> bytes:
+    """put_frame of a new record (no pod yet), from answer_piece and tail_piece."""
+    payload = b"".join((_PUT_HEAD, msgpack.packb(record_id), answer, _K_TIME,
+                        _TIME.pack(0xCB, time), tail))
+    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+_K_TIME = msgpack.packb("time")
+
+
 def claim_frame(r: Record) -> bytes:
     return _pack(["claim", r.id, list(r.pod) if r.pod else None,
                   None if r.confirmed is None else float(r.confirmed)])

@@ -158,12 +158,16 @@ class Journal:
         self._since: list[tuple[bytes, int]] | None = None  # appended during a compaction
         self._compact_wanted = False
         self._stop = False
+        # wakes the worker for a compaction or the stop only: appends never wake it (it
+        # syncs on its own clock, once per interval, whatever the rate of Allocates)
+        self._wake_worker = threading.Event()
         self._worker: threading.Thread | None = None
         self._listeners: list[Callable[[], None]] = []
         # record IDs: random per process, then counted (unique without a syscall per record)
         self._id_prefix = os.urandom(6).hex() + "-"
         self._ids = itertools.count(1)  # next() is atomic: concurrent Allocates never share
         self._answers: dict[int, tuple[Any, tuple]] = {}  # by the manager's response object
+        self._tail = frames.tail_piece(boot)
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
         self.failing = ""  # why writes or syncs fail now ("" while they work)
         self.version = 0  # bumped on every change in memory
@@ -381,26 +385,29 @@ class Journal:
         interval of 0, or while the disk fails); StateError if they could not be. This is the
         `journal` hook of agent.rm.manager.ResourceManager."""
         now = self.clock()
-        records = []
+        records, out = [], []
         for devices, response in containers:
-            ids, gpus, rec = self._shared(devices, response)
-            records.append(Record(id=f"{self._id_prefix}{next(self._ids):x}", resource=resource,
-                                  devices=ids, gpus=gpus, response=rec, time=now,
-                                  boot=self.boot))
-        self.append(records)
+            first, piece = self._shared(resource, devices, response)
+            r = Record(f"{self._id_prefix}{next(self._ids):x}", resource, first.devices,
+                       first.gpus, first.response, now, first.boot)
+            records.append(r)
+            out.append(frames.new_put_frame(r.id, now, piece, self._tail))
+        self._add(records, out)
         return records
 
-    def _shared(self, devices: Sequence[Any], response: Any
-                ) -> tuple[tuple[str, ...], tuple[GpuRef, ...], Response]:
-        """The device IDs, GPUs and Response record of an answer, built once per answer the
-        manager keeps (it hands the same objects for the same request): the records of one
-        answer share them, which keeps a journal of 10,000 records small."""
+    def _shared(self, resource: str, devices: Sequence[Any], response: Any
+                ) -> tuple[Record, bytes]:
+        """A record of an answer (its devices, GPUs and Response; ID and time to fill in) and
+        those packed, built once per answer the manager keeps (it hands the same objects for
+        the same request): the records of one answer share them, which keeps a journal of
+        10,000 records small and an Allocate's own packing to its ID and time."""
         hit = self._answers.get(id(response))
         if hit is not None and hit[0] is response:
             return hit[1]
-        shared = (tuple(d.id for d in devices),
-                  tuple(GpuRef(d.gpu_uuid, int(d.gpu_index)) for d in devices),
-                  response_record(response))
+        first = Record(id="", resource=resource, devices=tuple(d.id for d in devices),
+                       gpus=tuple(GpuRef(d.gpu_uuid, int(d.gpu_index)) for d in devices),
+                       response=response_record(response), time=0.0, boot=self.boot)
+        shared = (first, frames.answer_piece(first))
         if len(self._answers) >= ANSWERS_KEPT:
             self._answers.clear()
         self._answers[id(response)] = (response, shared)
@@ -415,7 +422,9 @@ class Journal:
             log.exception("cannot pack an allocation record")
             raise StateError(f"cannot write the journal {self.path}: cannot pack the record "
                              f"({exc})") from exc
+        self._add(records, out)
 
+    def _add(self, records: list[Record], out: list[bytes]) -> None:
         def add(held: dict) -> None:
             for r in records:
                 held[r.id] = r
@@ -486,6 +495,7 @@ class Journal:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._wake_worker.set()
         if self._worker is not None:
             self._worker.join(30)
         with self._cond:
@@ -544,6 +554,7 @@ class Journal:
                         if self._entries >= COMPACT_MIN_ENTRIES and \
                                 self._entries > 2 * len(self._records):
                             self._compact_wanted = True
+                            self._wake_worker.set()
                 self._writing = False
                 batch.done, batch.error = True, error
                 self._cond.notify_all()
@@ -632,10 +643,9 @@ class Journal:
 
     def _work(self) -> None:
         while True:
+            self._wake_worker.wait(self.sync_interval or None)
+            self._wake_worker.clear()
             with self._cond:
-                while not self._stop and not self._compact_wanted and not (
-                        self.sync_interval > 0 and self._size > self._synced):
-                    self._cond.wait(self.sync_interval or None)
                 if self._stop:
                     return
                 compact, self._compact_wanted = self._compact_wanted, False
@@ -643,8 +653,6 @@ class Journal:
             if due:
                 with self._fd_lock:
                     self._sync()
-                with self._cond:  # one sync per interval at most
-                    self._cond.wait(self.sync_interval)
             if compact:
                 try:
                     self._compact()
