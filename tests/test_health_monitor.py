@@ -2,7 +2,9 @@
 its pure-Python twin: fan-out to replicas and MIG instances (a100-mig profile; MIG devices are
 built from the profile since MIG resources are advertised by a later issue), events naming no
 GPU, each DP_DISABLE/ENABLE_HEALTHCHECKS form, NOT_SUPPORTED registration, a lost GPU found by
-probing and the event set re-established, reset-class recovery, and stop() within one wait.
+probing and the event set re-established, reset-class recovery, recovery probes that run outside
+the monitor's lock (a probe held in flight stalls nothing, and its result is dropped when a
+fault came meanwhile), and stop() within one wait.
 
 The sink is a plain recorder of the batches the monitor hands out (what the daemon passes on to
 the resource managers); every wait on it is bounded.
@@ -10,13 +12,14 @@ the resource managers); every wait on it is bounded.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 
 from agent.health.monitor import HealthMonitor
 from agent.health.policy import XidPolicy
-from agent.nvml import discovery
+from agent.nvml import discovery, probe
 from agent.rm.devices import Device, full_gpu_devices
 from agent.sim import control, lib_path
 from agent.sim.profile import load_profile
@@ -242,3 +245,105 @@ def test_stop_returns_within_one_wait(monitor, events):
     assert m._thread.is_alive()
     m.stop()
     assert m._thread is None and m.status()["eventSet"] == "closed"
+
+
+# -- recovery probes run outside the lock ------------------------------------------------------
+
+
+class HeldProbe:
+    """The recovery probe handed to the monitor: agent.nvml.probe.probe on the simulated NVML,
+    except that each probe of GPU `uuid` is held (at most WAIT s) until the test lets it go, as
+    a probe of a sick GPU hangs in NVML. Leaving the `with` block lets every probe go."""
+
+    def __init__(self, uuid: str):
+        self.uuid = uuid
+        self.calls = 0  # probes of the GPU begun
+        self.released = 0  # probes of the GPU let go
+        self._cond = threading.Condition()
+
+    def __call__(self, uuid, pci_bus_id=None):
+        if uuid == self.uuid:
+            with self._cond:
+                self.calls += 1
+                n = self.calls
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self.released >= n, WAIT)
+        return probe.probe(uuid, pci_bus_id)
+
+    def wait_call(self, n: int, sink: Recorder | None = None) -> None:
+        """Until probe number `n` of the GPU is in flight (a failure shows `sink`'s batches)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.calls >= n, WAIT):
+                raise AssertionError(f"no probe {n} of {self.uuid} within {WAIT:g} s; batches: "
+                                     f"{sink.batches if sink else '?'}")
+
+    def release(self, n: int) -> None:
+        """Let probes 1..n of the GPU go."""
+        with self._cond:
+            self.released = max(self.released, n)
+            self._cond.notify_all()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release(2**31)
+
+
+def returns_promptly(fn, what: str):
+    """fn() run on another thread; fails unless it returns within WAIT s."""
+    done, out = threading.Event(), []
+
+    def run():
+        out.append(fn())
+        done.set()
+
+    threading.Thread(target=run, name="test-caller", daemon=True).start()
+    assert done.wait(WAIT), f"{what} did not return within {WAIT:g} s: it waits for the probe"
+    return out[0]
+
+
+def test_a_hanging_recovery_probe_holds_up_neither_status_nor_isolation_nor_events(
+        monitor, tmp_path):
+    u = uuids()
+    isolation = tmp_path / "unhealthy-devices.json"
+    with HeldProbe(u[5]) as held:
+        m, sink = monitor(quiet_period_s=0.2, isolation_file=str(isolation),
+                          recovery_probe=held)
+        inject(monitor.ctl, 5, 48)
+        sink.wait(lambda s: u[5] in s.unhealthy(), "GPU 5 withdrawn")
+        held.wait_call(1)  # GPU 5 is quiet: its recovery probe begins, and hangs
+        doc = returns_promptly(m.status, "status()")
+        assert [d["id"] for d in doc["unhealthy"]] == [u[5]]
+        isolation.write_text(json.dumps({"index": [1]}))
+        sink.wait(lambda s: u[1] in s.unhealthy(), "GPU 1 isolated by the file")
+        inject(monitor.ctl, 2, 79)
+        sink.wait(lambda s: u[2] in s.unhealthy(), "GPU 2 withdrawn by an XID")
+        assert held.calls == 1 and held.released == 0, "all that while the probe hung"
+        assert sink.unhealthy() == {u[1], u[2], u[5]}
+        held.release(1)
+        sink.wait(lambda s: u[5] not in s.unhealthy(), "GPU 5 back once its probe passed")
+        assert sink.unhealthy() == {u[1], u[2]}
+
+
+def test_a_fault_raised_while_a_probe_runs_is_not_cleared_by_that_probe(monitor):
+    """Two MIG instances of one GPU: B's fault comes while the probe that A's quiet period
+    started is in flight; that probe passes, but began before B's fault, so it clears nothing
+    (not B, nor A on its own); the next probe, after B's quiet period, returns both at once."""
+    devs = mig_devices()
+    a, b = [d for d in devs if d.gpu_index == 0][:2]
+    with HeldProbe(a.gpu_uuid) as held:
+        m, sink = monitor("a100-mig", devices=devs, quiet_period_s=0.3, recovery_probe=held)
+        inject(monitor.ctl, a.id, 48)
+        sink.wait(lambda s: s.unhealthy() == {a.id}, "instance A withdrawn")
+        held.wait_call(1)  # A is quiet: GPU 0's probe begins, and is held
+        inject(monitor.ctl, b.id, 48)
+        sink.wait(lambda s: s.unhealthy() == {a.id, b.id}, "instance B withdrawn meanwhile")
+        held.release(1)  # it passes, too late
+        held.wait_call(2, sink)  # the next check began, so the first one's result was handled
+        assert sink.unhealthy() == {a.id, b.id}
+        assert all(not ok for batch in sink.batches for ok, _ in batch.values()), sink.batches
+        held.release(2)
+        sink.wait(lambda s: not s.unhealthy(), "A and B back")
+        assert sink.batches[-1] == {a.id: (True, ""), b.id: (True, "")}
+        assert "reset-class fault cleared" in m.status()["transitions"][-1]["reason"]

@@ -12,8 +12,13 @@ filter, and a thread that waits on it (GIL released) and:
 - on a wait error (GPU_IS_LOST, which NVML does not pin on a GPU) probes the GPUs to find
   the lost ones (all GPUs when none can be named), withdraws them and re-establishes the
   event set;
-- returns devices when their fault's recovery rule holds (agent.health.recovery), probing
-  through agent.nvml.probe.
+- registers again the GPUs whose recovery probe passed but that the set lost.
+A second thread returns devices when their fault's recovery rule holds (agent.health.recovery),
+probing through agent.nvml.probe. NVML calls on a sick GPU may hang, so no probe runs under the
+monitor's lock: what to probe (with each GPU's fault generation, bumped by every fault or event
+on it) is read under the lock, the probes run without it, and their results are applied under
+it again only where the generation is unchanged and the monitor is not stopping; status(), the
+isolation file and event handling never wait for a probe.
 Isolation comes from agent.health.isolation's thread. A device is Unhealthy while it has a
 fault or is isolated; every change of that goes to `sink` as one batch (one ListAndWatch
 snapshot), is logged once per GPU with UUID, index, XID, action and reason, and is kept in a
@@ -29,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from agent import _fast
 from agent._fast._types import (
@@ -56,8 +61,11 @@ log = logging.getLogger(__name__)
 # One wait never blocks longer than this: stop() returns within it. An idle agent wakes once
 # per wait, so this is also what the loop costs at rest (docs/benchmarks.md).
 WAIT_MS = 1000
-# Recovery checks (probes) run at most this often.
+# Recovery checks (probes) run this often, on their own thread.
 TICK_S = 0.25
+# stop() waits this long for a recovery probe in flight; one that hangs in NVML is left behind
+# (it changes nothing once the monitor is stopping).
+RECOVERY_JOIN_S = 5.0
 # After the event set could not be opened, try again this often.
 REOPEN_RETRY_S = 1.0
 # Waits that fail again right after the set was re-established (a wedged driver) are retried
@@ -68,6 +76,8 @@ TRANSITIONS_KEPT = 50
 
 # device id -> (healthy, reason), for every device whose health changed.
 Sink = Callable[[Mapping[str, tuple[bool, str]]], None]
+# (GPU UUID, PCI bus id or None) -> None when the GPU answers NVML as itself, else what failed.
+Probe = Callable[[str, Optional[str]], Optional[str]]
 
 
 def matches_instance(device: Any, gi: int, ci: int) -> bool:
@@ -84,13 +94,15 @@ def matches_instance(device: Any, gi: int, ci: int) -> bool:
 class HealthMonitor:
     """Health of the advertised `devices` (agent.rm.devices.Device) on the physical `gpus`
     (agent.nvml.discovery.Gpu). `start()` applies the recorded faults and the isolation file
-    before it returns (so the first ListAndWatch snapshot already has them), then runs."""
+    before it returns (so the first ListAndWatch snapshot already has them), then runs.
+    `recovery_probe` replaces agent.nvml.probe.probe (tests hold a probe in flight with it)."""
 
     def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
                  policy: XidPolicy, sink: Sink, state_dir: str | None = None,
                  quiet_period_s: float = 60.0, isolation_file: str = "",
                  events_module: Any = None, on_change: Callable[[], None] | None = None,
-                 current: Mapping[str, tuple[bool, str]] | None = None):
+                 current: Mapping[str, tuple[bool, str]] | None = None,
+                 recovery_probe: Probe | None = None):
         self.library_path = library_path
         self.policy = policy
         self.sink = sink
@@ -98,6 +110,7 @@ class HealthMonitor:
         self.isolation_file = isolation_file
         self.events = events_module or _fast.events_impl
         self.on_change = on_change or (lambda: None)
+        self.recovery_probe = recovery_probe or probe.probe
         self.gpus = {g.uuid: g for g in sorted(gpus, key=lambda g: g.index)}
         self.by_index = {g.index: g.uuid for g in gpus}
         self.devices = {d.id: d for d in devices}
@@ -106,6 +119,12 @@ class HealthMonitor:
             self.by_gpu[d.gpu_uuid].append(d)
         self._lock = threading.RLock()
         self._faults: dict[str, Fault] = {}
+        # GPU UUID -> how many times a fault was raised or renewed on it: a probe result is
+        # applied only while this is what it was when the probe began.
+        self._fault_gen: dict[str, int] = {}
+        # GPU UUID -> fault generation, for GPUs whose probe passed but that the event set
+        # lost: the event loop (which owns the set) registers them, then clears their faults.
+        self._reregister: dict[str, int] = {}
         self._isolation = Isolation()
         self._isolation_error = ""
         self._isolation_unknown: list[str] = []
@@ -127,8 +146,8 @@ class HealthMonitor:
         self._error_streak = 0  # wait errors since the last good wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._recovery: threading.Thread | None = None
         self._watch: IsolationWatch | None = None
-        self._next_tick = 0.0
 
     # -- life ------------------------------------------------------------------------------
 
@@ -151,6 +170,9 @@ class HealthMonitor:
             self._open_set()
         self._thread = threading.Thread(target=self._run, name="health-events", daemon=True)
         self._thread.start()
+        self._recovery = threading.Thread(target=self._run_recovery, name="health-recovery",
+                                          daemon=True)
+        self._recovery.start()
 
     def stop(self, wait: bool = True) -> None:
         """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set.
@@ -166,6 +188,12 @@ class HealthMonitor:
             self._thread.join(WAIT_MS / 1000 + 30)
             stuck = self._thread.is_alive()
             self._thread = None
+        if self._recovery is not None:  # it never touches the event set: no need to wait it out
+            self._recovery.join(RECOVERY_JOIN_S)
+            if self._recovery.is_alive():
+                log.warning("health recovery probe did not return within %g s (an NVML call "
+                            "hangs); left behind, it changes nothing", RECOVERY_JOIN_S)
+            self._recovery = None
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
@@ -241,9 +269,19 @@ class HealthMonitor:
 
     def _register(self, gpu: Any) -> bool:
         """Register `gpu` on the set; True when it is watched (or has nothing to watch)."""
+        return self._registered(gpu, *self._try_register(self._es, gpu))
+
+    @staticmethod
+    def _try_register(es: Any, gpu: Any) -> tuple[int, NvmlError | None]:
+        """The NVML part of _register, which needs no lock: (mask, None) or (0, the error)."""
         try:
-            mask = self._es.register(gpu.index, EVENT_TYPES)
+            return es.register(gpu.index, EVENT_TYPES), None
         except NvmlError as exc:
+            return 0, exc
+
+    def _registered(self, gpu: Any, mask: int, exc: NvmlError | None) -> bool:
+        """Apply the outcome of registering `gpu` (under the lock); as _register."""
+        if exc is not None:
             if exc.is_not_supported:
                 self._not_supported(gpu, str(exc))
                 return False
@@ -272,13 +310,14 @@ class HealthMonitor:
             try:
                 self._step()
             except Exception:  # the loop boundary: a dead loop would withdraw nothing again
-                self.loop_errors += 1
+                with self._lock:
+                    self.loop_errors += 1
                 log.exception("health loop: unexpected error; going on in %g s",
                               REOPEN_RETRY_S)
                 self._stop.wait(REOPEN_RETRY_S)
 
     def _step(self) -> None:
-        """One turn of the loop: a wait, what it returned, the recovery checks."""
+        """One turn of the loop: a wait, what it returned, the GPUs to register again."""
         es = self._es
         if es is None:
             if not self._stop.wait(REOPEN_RETRY_S):
@@ -299,7 +338,7 @@ class HealthMonitor:
         self._error_streak = 0
         if event is not None:
             self._on_event(event)
-        self._tick()
+        self._register_recovered()
 
     def _targets(self, event: Any) -> list | None:
         """The GPU UUIDs an event concerns (every GPU when it names none); None for a GPU the
@@ -343,9 +382,9 @@ class HealthMonitor:
                 self._apply("")
 
     def _on_wait_error(self, exc: NvmlError) -> None:
+        lost = probe.lost(list(self.gpus)) if exc.is_gpu_lost else []  # NVML: not under the lock
         with self._lock:
             self.wait_errors += 1
-            lost = probe.lost(list(self.gpus)) if exc.is_gpu_lost else []
             now = time.monotonic()
             if lost:
                 for uuid in lost:
@@ -364,45 +403,131 @@ class HealthMonitor:
             log.info("re-establishing the NVML event set after: %s", exc)
             self._open_set()
 
-    def _tick(self) -> None:
+    # -- recovery ------------------------------------------------------------------------------
+
+    def _run_recovery(self) -> None:
+        # every TICK_S while a fault waits to end; once per wait (as the event loop) otherwise
+        while not self._stop.wait(TICK_S if self._faults else WAIT_MS / 1000):
+            try:
+                self._recover()
+            except Exception:  # the loop boundary: a dead thread would return nothing again
+                with self._lock:
+                    self.loop_errors += 1
+                log.exception("health recovery: unexpected error; going on in %g s",
+                              REOPEN_RETRY_S)
+                self._stop.wait(REOPEN_RETRY_S)
+
+    def _recover(self) -> None:
+        """One recovery check: which GPUs are due a probe is read under the lock, the probes
+        run with it released, and a result is applied under it only when the GPU's fault
+        generation is still what it was before the probe (no fault or event came meanwhile)."""
         now = time.monotonic()
-        if now < self._next_tick:
-            return
-        self._next_tick = now + TICK_S
         with self._lock:
-            by_gpu: dict[str, list[Fault]] = collections.defaultdict(list)
-            for fault in self._faults.values():
-                by_gpu[fault.gpu_uuid].append(fault)
+            due = self._due(now)
+        results = []
+        for uuid, gpu, gen in due:
+            if self._stop.is_set():
+                return
+            problem = self.recovery_probe(uuid, gpu.pci_bus_id if gpu is not None else None)
+            results.append((uuid, gpu, gen, problem))
+        if not results:
+            return
+        with self._lock:
+            if self._stop.is_set():  # a reload handed the devices over: change nothing
+                return
             cleared: list[Fault] = []
-            for uuid, faults in by_gpu.items():
-                resets = [f for f in faults if f.action == RESET]
-                if not resets or not all(reset_may_recover(f, now, self.quiet_s) for f in resets):
+            for uuid, gpu, gen, problem in results:
+                if self._stale(uuid, gpu, gen):
                     continue
-                gpu = self.gpus.get(uuid)
-                problem = probe.probe(uuid, gpu.pci_bus_id if gpu is not None else None)
-                if problem is None and uuid in self._unregistered and gpu is not None:
-                    if self._es is None or not self._register(gpu):
-                        problem = "not yet registered for NVML events again"
                 if problem is not None:
-                    if self._probe_failures.get(uuid) != problem:
-                        log.info("GPU %s %s: not recovered yet: %s",
-                                 getattr(gpu, "index", "?"), uuid, problem)
-                    self._probe_failures[uuid] = problem
+                    self._not_recovered(uuid, gpu, problem)
+                elif uuid in self._unregistered and gpu is not None:
+                    self._reregister[uuid] = gen
+                else:
+                    cleared += self._clear_resets(uuid)
+            self._cleared(cleared)
+
+    def _due(self, now: float) -> list[tuple[str, Any, int]]:
+        """(UUID, Gpu or None, fault generation) of each GPU whose reset-class faults may all
+        end now: it waits for a passing probe. Nothing while there is no event set."""
+        if self._es is None:
+            return []
+        by_gpu: dict[str, list[Fault]] = collections.defaultdict(list)
+        for fault in self._faults.values():
+            by_gpu[fault.gpu_uuid].append(fault)
+        due = []
+        for uuid, faults in by_gpu.items():
+            if uuid in self._reregister:
+                continue
+            resets = [f for f in faults if f.action == RESET]
+            if resets and all(reset_may_recover(f, now, self.quiet_s) for f in resets):
+                due.append((uuid, self.gpus.get(uuid), self._fault_gen.get(uuid, 0)))
+        return due
+
+    def _register_recovered(self) -> None:
+        """On the event loop thread, which owns the set: register again the GPUs whose probe
+        passed but that the set lost (NVML, without the lock), then clear their faults where
+        that held and nothing changed since the probe began."""
+        if not self._reregister:  # the common case, read without the lock: one dict test
+            return
+        with self._lock:
+            if not self._reregister:
+                return
+            pending, self._reregister = self._reregister, {}
+            todo = [(uuid, gen, uuid in self._unregistered) for uuid, gen in pending.items()]
+        es = self._es  # only this thread replaces it
+        attempts = [(uuid, gen, self._try_register(es, self.gpus[uuid])
+                     if needed and es is not None else None)
+                    for uuid, gen, needed in todo]
+        with self._lock:
+            if self._stop.is_set():
+                return
+            cleared: list[Fault] = []
+            for uuid, gen, attempt in attempts:
+                gpu = self.gpus[uuid]
+                ok = (self._registered(gpu, *attempt) if attempt is not None
+                      else uuid not in self._unregistered)
+                if not ok:
+                    self._not_recovered(uuid, gpu, "not yet registered for NVML events again")
                     continue
-                self._probe_failures.pop(uuid, None)
-                for f in resets:
-                    del self._faults[f.device_id]
-                cleared += resets
-            if cleared:
-                first = cleared[0]
-                self._apply(f"reset-class fault cleared: no critical event for "
-                            f"{self.quiet_s:g} s and the GPU answers NVML as itself "
-                            f"(was: {first.reason})")
+                if self._stale(uuid, gpu, gen):
+                    continue
+                cleared += self._clear_resets(uuid)
+            self._cleared(cleared)
+
+    def _stale(self, uuid: str, gpu: Any, gen: int) -> bool:
+        """Was a fault raised or renewed on GPU `uuid` since its probe began (generation
+        `gen`)? Then the probe's result is dropped: the next check decides afresh."""
+        if self._fault_gen.get(uuid, 0) == gen:
+            return False
+        log.debug("GPU %s %s: recovery probe result dropped: a fault or event came during it",
+                  getattr(gpu, "index", "?"), uuid)
+        return True
+
+    def _not_recovered(self, uuid: str, gpu: Any, problem: str) -> None:
+        if self._probe_failures.get(uuid) != problem:
+            log.info("GPU %s %s: not recovered yet: %s", getattr(gpu, "index", "?"), uuid,
+                     problem)
+        self._probe_failures[uuid] = problem
+
+    def _clear_resets(self, uuid: str) -> list[Fault]:
+        """Drop the reset-class faults of GPU `uuid` (its probe passed); return them."""
+        self._probe_failures.pop(uuid, None)
+        resets = [f for f in self._faults.values() if f.gpu_uuid == uuid and f.action == RESET]
+        for f in resets:
+            del self._faults[f.device_id]
+        return resets
+
+    def _cleared(self, cleared: list[Fault]) -> None:
+        if cleared:
+            self._apply(f"reset-class fault cleared: no critical event for {self.quiet_s:g} s "
+                        f"and the GPU answers NVML as itself (was: {cleared[0].reason})")
 
     # -- faults and isolation ------------------------------------------------------------------
 
     def _add_fault(self, device: Any, kind: str, action: str, reason: str, xid: int | None,
                    now: float) -> None:
+        self._fault_gen[device.gpu_uuid] = self._fault_gen.get(device.gpu_uuid, 0) + 1
         fault = self._faults.get(device.id)
         if fault is None:
             self._faults[device.id] = Fault(device.id, device.gpu_uuid, device.gpu_index, kind,
