@@ -319,11 +319,8 @@ class IntervalKind(Kind):
     def to_text(self, value: Any) -> str:
         if not value:
             return "0"
-        import decimal  # 3 ms to import; only for writing a config back
-
-        digits = format(decimal.Decimal(repr(float(value))), "f")
-        if "." in digits:
-            digits = digits.rstrip("0").rstrip(".")
+        # to the nanosecond, a duration's resolution; no exponent ("1e-05"), no trailing zeros
+        digits = format(float(value), ".9f").rstrip("0").rstrip(".")
         return f"{digits}s"
 
     def to_data(self, value: Any) -> str:
