@@ -27,7 +27,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, allocate_concurrently, percentile, sim_node_env
+from bench import AGENT_COMMAND, Section, allocate_concurrently, percentile, sim_node_env
 
 RESOURCE = "nvidia.com/gpu"
 STARTS = 10
@@ -55,7 +55,7 @@ class _Run:
         self.log = open(os.path.join(work, "agent.log"), "ab")  # closed in stop()
         self.t0_ns = time.time_ns()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--kubelet-socket",
+            [*AGENT_COMMAND, "run", "--kubelet-socket",
              os.path.join(kdir, "kubelet.sock"), "--state-dir", os.path.join(work, "state"),
              "--nvml-library", str(lib_path()), *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -100,7 +100,9 @@ def _ms(seconds: float) -> str:
 def run() -> Section:
     section = Section(
         title="Device plugin: Allocate latency, start to registered, kubelet restart, memory",
-        method=("`gpu-agent run` as a subprocess on the simulated NVML (dgx1-v100, 8 GPUs), "
+        method=("`gpu-agent run` as a subprocess, started as the installed console script "
+                "starts it (import agent.__main__, call main; not `python -m`), on the "
+                "simulated NVML (dgx1-v100, 8 GPUs), "
                 "default settings (envvar, INFO logging to a file), against a simulated kubelet "
                 "in the bench process over real unix sockets. Allocate: a 2-GPU request "
                 f"straight to the plugin socket, {ONE_CALLER_CALLS} calls from 1 blocking "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 
 from agent._fast._types import EVENT_DOUBLE_BIT_ECC, EVENT_XID_CRITICAL, XID_FILTER_SIZE
@@ -166,6 +167,10 @@ class XidPolicy:
 
     def filtered_xids(self) -> tuple[int, ...]:
         """The XIDs (0..1023) that withdraw nothing: dropped by the C filter."""
+        return self._filtered
+
+    @cached_property
+    def _filtered(self) -> tuple[int, ...]:  # the policy never changes: worked out once
         if not self.enabled:
             return ()
         disabled, enabled = self._nvidia()
