@@ -83,6 +83,16 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def allocate_timed(stub, request, calls: int) -> list[float]:
+    """Seconds of each of `calls` blocking Allocate calls of `request` on `stub`."""
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        stub.Allocate(request, timeout=10)
+        out.append(time.perf_counter() - start)
+    return out
+
+
 def allocate_concurrently(socket: str, request, callers: int, calls_per_caller: int,
                           warmup: int = 50) -> tuple[list[float], float]:
     """Allocate `request` on the plugin socket from `callers` concurrent grpc.aio callers on

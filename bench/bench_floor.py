@@ -24,7 +24,7 @@ import grpc
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, allocate_concurrently, percentile, sim_node_env
+from bench import Section, allocate_concurrently, allocate_timed, percentile, sim_node_env
 from bench.bench_plugin import Kind, _next, _rss_mb, _Run
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"  # a smoke run: a tenth of the calls
@@ -123,15 +123,6 @@ def _stub(socket: str) -> tuple[grpc.Channel, object]:
     return channel, dp_grpc.DevicePluginStub(channel)
 
 
-def _timed(stub, request, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        stub.Allocate(request, timeout=10)
-        out.append(time.perf_counter() - start)
-    return out
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
@@ -164,11 +155,11 @@ def run() -> Section:
         floor = _Floor(work, stub.Allocate(request, timeout=10).SerializeToString())
         floor_channel, floor_stub = _stub(floor.socket)
         for s in (stub, floor_stub):
-            _timed(s, request, 100)
+            allocate_timed(s, request, 100)
         one = {"agent": [], "floor": []}
         for _ in range(BLOCKS):
-            one["agent"] += _timed(stub, request, BLOCK)
-            one["floor"] += _timed(floor_stub, request, BLOCK)
+            one["agent"] += allocate_timed(stub, request, BLOCK)
+            one["floor"] += allocate_timed(floor_stub, request, BLOCK)
         many = {"agent": ([], 0.0), "floor": ([], 0.0)}
         for _ in range(ROUNDS):
             for name, sock in (("agent", agent.socket), ("floor", floor.socket)):
@@ -181,8 +172,8 @@ def run() -> Section:
 
         agent = _Agent(work)  # a fresh journal for the growth run
         channel, stub = _stub(agent.socket)
-        _timed(stub, request, 50)  # the channel and the agent's first calls (50 more records)
-        growth = _timed(stub, request, GROWTH_CALLS)
+        allocate_timed(stub, request, 50)  # the channel and the agent's first calls (50 more records)
+        growth = allocate_timed(stub, request, GROWTH_CALLS)
         time.sleep(0.5)
         rss_after = _rss_mb(agent.run.proc.pid)
         rss_start = agent.rss_start

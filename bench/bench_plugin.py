@@ -27,7 +27,14 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import AGENT_COMMAND, Section, allocate_concurrently, percentile, sim_node_env
+from bench import (
+    AGENT_COMMAND,
+    Section,
+    allocate_concurrently,
+    allocate_timed,
+    percentile,
+    sim_node_env,
+)
 
 RESOURCE = "nvidia.com/gpu"
 STARTS = 10
@@ -77,15 +84,8 @@ def _allocate_one_caller(socket: str, ids: list[str]) -> list[float]:
     request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)])
     with grpc.insecure_channel(f"unix:{socket}", options=[("grpc.enable_http_proxy", 0)]) as ch:
         stub = dp_grpc.DevicePluginStub(ch)
-        for _ in range(50):
-            stub.Allocate(request, timeout=10)
-        samples = []
-        clock = time.perf_counter
-        for _ in range(ONE_CALLER_CALLS):
-            start = clock()
-            stub.Allocate(request, timeout=10)
-            samples.append(clock() - start)
-    return samples
+        allocate_timed(stub, request, 50)
+        return allocate_timed(stub, request, ONE_CALLER_CALLS)
 
 
 def _allocate_many_callers(socket: str, ids: list[str]) -> tuple[list[float], float]:

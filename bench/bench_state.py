@@ -26,7 +26,7 @@ import grpc
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from bench import Section, allocate_concurrently, percentile
+from bench import Section, allocate_concurrently, allocate_timed, percentile
 
 RESOURCE = "nvidia.com/gpu"
 ONE_CALLER_CALLS = 1000
@@ -98,14 +98,8 @@ def _one_caller(socket: str) -> list[float]:
     request = _request()
     with grpc.insecure_channel(f"unix:{socket}", options=[("grpc.enable_http_proxy", 0)]) as ch:
         stub = dp_grpc.DevicePluginStub(ch)
-        for _ in range(50):
-            stub.Allocate(request, timeout=10)
-        out = []
-        for _ in range(ONE_CALLER_CALLS):
-            start = time.perf_counter()
-            stub.Allocate(request, timeout=10)
-            out.append(time.perf_counter() - start)
-    return out
+        allocate_timed(stub, request, 50)
+        return allocate_timed(stub, request, ONE_CALLER_CALLS)
 
 
 def _many_callers(socket: str) -> list[float]:

@@ -307,14 +307,18 @@ class HealthMonitor:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._step()
-            except Exception:  # the loop boundary: a dead loop would withdraw nothing again
-                with self._lock:
-                    self.loop_errors += 1
-                log.exception("health loop: unexpected error; going on in %g s",
-                              REOPEN_RETRY_S)
-                self._stop.wait(REOPEN_RETRY_S)
+            self._guarded(self._step, "health loop")
+
+    def _guarded(self, turn: Callable[[], None], what: str) -> None:
+        """One turn of a thread's loop, at its boundary: a dead thread would withdraw (or
+        return) nothing again, so an unexpected error is counted, logged, and waited out."""
+        try:
+            turn()
+        except Exception:
+            with self._lock:
+                self.loop_errors += 1
+            log.exception("%s: unexpected error; going on in %g s", what, REOPEN_RETRY_S)
+            self._stop.wait(REOPEN_RETRY_S)
 
     def _step(self) -> None:
         """One turn of the loop: a wait, what it returned, the GPUs to register again."""
@@ -408,14 +412,7 @@ class HealthMonitor:
     def _run_recovery(self) -> None:
         # every TICK_S while a fault waits to end; once per wait (as the event loop) otherwise
         while not self._stop.wait(TICK_S if self._faults else WAIT_MS / 1000):
-            try:
-                self._recover()
-            except Exception:  # the loop boundary: a dead thread would return nothing again
-                with self._lock:
-                    self.loop_errors += 1
-                log.exception("health recovery: unexpected error; going on in %g s",
-                              REOPEN_RETRY_S)
-                self._stop.wait(REOPEN_RETRY_S)
+            self._guarded(self._recover, "health recovery")
 
     def _recover(self) -> None:
         """One recovery check: which GPUs are due a probe is read under the lock, the probes
