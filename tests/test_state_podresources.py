@@ -172,3 +172,19 @@ def test_an_allocate_during_a_reconciliation_is_not_dropped_by_its_older_listing
     finally:
         slow.answer.set()
         server.stop(None)
+
+
+def test_without_podresources_a_pass_still_sees_a_gpu_gone(short_dir):
+    # passes without a listing skip the walk over the records while nothing they depend on
+    # changed; a GPU that disappears is such a change
+    j = _journal(short_dir)
+    rec = _allocate(j, 3)
+    advertised = {RES: DEVICES}
+    r = Reconciler(j, os.path.join(short_dir, "absent.sock"), connect=PodResourcesClient,
+                   devices=lambda: advertised, period=60.0)
+    assert r.run_once().dropped == () and r.run_once().dropped == ()
+    assert j.records() == (rec,)
+    advertised = {RES: DEVICES[:3] + DEVICES[4:]}  # GPU 3 fell off the bus
+    [(dropped, why)] = r.run_once().dropped
+    assert dropped.id == rec.id and "GPU-3 (index 3) is no longer on this host" in why
+    assert j.records() == ()

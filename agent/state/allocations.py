@@ -17,7 +17,7 @@ from typing import Any, Callable
 from agent.errors import AgentError
 from agent.host import boot_id
 from agent.state.journal import JOURNAL_FILE, Journal
-from agent.state.reconciler import DEBOUNCE_S, Reconciler
+from agent.state.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class AllocationState:
                                keyed_by=keyed_by, sync_interval=sync_interval)
         self.reconciler = Reconciler(self.journal, socket_path, connect=connect,
                                      devices=devices, period=period)
-        self.journal.add_listener(lambda: self.reconciler.poke(DEBOUNCE_S))
+        self.journal.add_listener(self.reconciler.after_allocate)
 
     @property
     def record_allocation(self) -> Callable:

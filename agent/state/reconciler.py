@@ -32,6 +32,9 @@ DEBOUNCE_S = 0.5
 PENDING_RETRY_S = 1.0
 # While kubelet's podresources does not answer, try again this often (or the period if less).
 UNAVAILABLE_RETRY_S = 5.0
+# Under a stream of Allocates, passes (each walks every record) are spaced at least this many
+# times as long as the last one took: they take at most a tenth of the time.
+PASS_SPACING = 10
 STOP_WAIT_S = 11.0  # a pass in flight ends within its two RPC timeouts
 
 
@@ -65,6 +68,8 @@ class Reconciler:
         self.allocatable_error = ""
         self._allocatable_unimplemented = False
         self.last_outcome: dict | None = None
+        self.last_duration = 0.0  # of the last full pass, in seconds
+        self._judged: tuple | None = None  # (devices, keyed_by) the records were last judged by
 
     @property
     def socket_path(self) -> str:
@@ -178,12 +183,20 @@ class Reconciler:
             # predate their containers. The listing comes before the records are read: a
             # container kubelet lists had its Allocate answered, hence recorded, by then (no
             # false adoption).
+            started = time.monotonic()
             self.journal.mark()
             listing = self._list(self._client())
+            devices, keyed_by = self.devices(), self.journal.keyed_by
+            if listing is None and (devices, keyed_by) == self._judged:
+                # Without a listing a pass only re-resolves GPUs, and nothing they depend on
+                # changed since the last one: no need to walk every record again.
+                self.runs += 1
+                self.last_run = self.clock()
+                return Outcome((), (), (), (), (), self.last_outcome["pending"], False)
             records = self.journal.records()
-            outcome = reconcile(records, listing, devices=self.devices(),
-                                keyed_by=self.journal.keyed_by, boot=self.journal.boot,
-                                now=self.clock(), protected=self.journal.fresh())
+            outcome = reconcile(records, listing, devices=devices, keyed_by=keyed_by,
+                                boot=self.journal.boot, now=self.clock(),
+                                protected=self.journal.fresh())
             try:
                 self.journal.apply(outcome)
             except StateError as exc:
@@ -208,7 +221,15 @@ class Reconciler:
                                  "attributed": len(outcome.attributed),
                                  "adopted": len(outcome.adopted),
                                  "dropped": len(outcome.dropped), "pending": outcome.pending}
+            self._judged = (devices, keyed_by) if devices is not None else None
+            self.last_duration = time.monotonic() - started
             return outcome
+
+    def after_allocate(self) -> None:
+        """An Allocate was recorded: reconcile soon (DEBOUNCE_S, shared by the Allocates
+        meanwhile), but no sooner than PASS_SPACING times the last pass after it
+        (a pass walks every record: with thousands unclaimed it takes a while)."""
+        self.poke(max(DEBOUNCE_S, PASS_SPACING * self.last_duration))
 
     def status(self) -> dict:
         return {
