@@ -10,8 +10,7 @@ them). Must not parse or layer anything (agent.config does), and must not import
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent._config_kinds import (
     BoolKind,
@@ -53,8 +52,7 @@ from agent.constants import (
 )
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """One option: `name` is the Config field and the argparse dest."""
 
     name: str

@@ -18,9 +18,9 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent._config_file import (
     COMPAT_KEYS,
@@ -52,8 +52,7 @@ _UNSET_SECTIONS = {
 PRECEDENCE = "flag > env > file > default"
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """Where a value came from: kind "default", "file" (name: its path), "env" (name: the
     variable), "flag" (name: the flag) or "argument" (`config check FILE`)."""
 
@@ -207,7 +206,7 @@ def _build(flags: dict, env: dict, layer: FileLayer | None, file_source: Source)
             values[opt.name], sources[opt.name] = opt.default, DEFAULT
     if values["dev_root"] == "":  # NVIDIA: an unset or empty dev root is the driver root
         values["dev_root"] = values["driver_root"]
-        sources["dev_root"] = replace(sources["dev_root"], note="follows the driver root")
+        sources["dev_root"] = sources["dev_root"]._replace(note="follows the driver root")
     for name in SECTIONS:
         section = getattr(layer, name) if layer is not None else None
         if section is None:

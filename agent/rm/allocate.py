@@ -51,8 +51,7 @@ class DeviceSpec(NamedTuple):
     permissions: str = "rw"
 
 
-@dataclass(frozen=True)
-class ResponseOptions:
+class ResponseOptions(NamedTuple):
     """The settings that shape an Allocate response (from the effective config)."""
 
     list_strategies: tuple[str, ...] = DEFAULT_DEVICE_LIST_STRATEGIES

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from agent.rm.allocate import ResponseOptions, container_response
 from agent.rm.devices import Device
@@ -37,7 +37,7 @@ def uses_cdi(opts: ResponseOptions) -> bool:
 def device_names(devices: Iterable[Device], opts: ResponseOptions) -> dict[str, Device]:
     """The fully-qualified CDI names (`nvidia.com/gpu=<id>`) that Allocate hands out for
     `devices` under `opts`, each with its device, as agent.rm.allocate builds them."""
-    cdi_only = replace(opts, list_strategies=("cdi-cri",), pass_device_specs=False)
+    cdi_only = opts._replace(list_strategies=("cdi-cri",), pass_device_specs=False)
     names: dict[str, Device] = {}
     for device in devices:
         for name in container_response([device], cdi_only).cdi_devices:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.nvml.discovery import Gpu
 
 RESOURCE_GPU = "nvidia.com/gpu"
 
 
-@dataclass(frozen=True)
-class Device:
+class Device(NamedTuple):
     """One device advertised to kubelet under a resource name."""
 
     id: str  # the ID kubelet sees: the GPU UUID for a full GPU
