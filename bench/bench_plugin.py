@@ -216,13 +216,13 @@ def run() -> Section:
         "signal to the first Allocate (polled on the plugin socket) answered the new way. The "
         "servers keep serving through the reload: the same ListAndWatch stream and "
         "registration carry on.",
-        "Every Allocate is journaled durably before it is answered (docs/state.md): two "
-        "fsyncs on this VM's disk per write. These calls come straight to the plugin socket, "
-        "not from a pod kubelet admitted, so podresources never claims their records: all of "
-        "them stay (300 s grace) and every write carries them all, up to "
-        f"{len(one) + len(many) + 100:,} records. That growth is what the Allocate and the "
-        "RSS-after-load rows show; on a node the journal holds one record per running GPU "
-        "container. The journal's own cost is measured in the allocation-state section.",
+        "Every Allocate is written to the journal before it is answered (docs/state.md: one "
+        "append per group of concurrent Allocates, fdatasync in the background). These calls "
+        "come straight to the plugin socket, not from a pod kubelet admitted, so podresources "
+        "never claims their records: all of them stay (300 s grace), "
+        f"{len(one) + len(many) + 100:,} records by the end, which the RSS-after-load row "
+        "shows. The comparison with a bare grpcio server is in the next section; the "
+        "journal's own cost in the allocation-state section.",
     ]
     return section
 
