@@ -16,7 +16,8 @@ from agent.rm.allocate import (
     container_response,
     resolve_request,
 )
-from agent.rm.devices import full_gpu_devices
+from agent.rm.devices import RESOURCE_GPU, full_gpu_devices
+from agent.rm.manager import ResourceManager
 
 GPUS = [
     Gpu(index=i, uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000", name="Tesla V100-SXM2-16GB",
@@ -100,6 +101,31 @@ def test_device_specs_add_the_control_nodes_present_under_the_dev_root(tmp_path)
         ("/dev/nvidia-uvm", f"{dev}/nvidia-uvm", "rw"),
         ("/dev/nvidia13", f"{dev}/nvidia13", "rw"),
     ]
+
+
+def test_a_control_node_that_appears_later_is_in_the_next_answer(tmp_path):
+    # answers are kept per requested device list, but not with passDeviceSpecs: nvidia-uvm is
+    # created when CUDA is first used, and the next container must get it
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    opts = ResponseOptions(pass_device_specs=True, dev_root=str(tmp_path))
+    manager = ResourceManager(RESOURCE_GPU, DEVICES, opts)
+    [first] = manager.allocate([[GPUS[3].uuid]])
+    assert "/dev/nvidia-uvm" not in [s.container_path for s in first.devices]
+    (dev / "nvidia-uvm").touch()
+    [second] = manager.allocate([[GPUS[3].uuid]])
+    assert "/dev/nvidia-uvm" in [s.container_path for s in second.devices]
+
+
+def test_the_same_request_gets_the_kept_answer_until_a_reload():
+    manager = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions())
+    [a] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    [b] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    assert a is b and a.envs == {"NVIDIA_VISIBLE_DEVICES": f"{GPUS[2].uuid},{GPUS[5].uuid}"}
+    manager.reconfigure(DEVICES, ResponseOptions(("volume-mounts",)))
+    [c] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    assert c.mounts and c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
 
 
 def test_no_device_specs_unless_asked():

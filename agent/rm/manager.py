@@ -194,7 +194,10 @@ class ResourceManager:
             if hit is None:
                 devices = resolve_request(self.resource, ids, by_id)
                 hit = (devices, container_response(devices, options))
-                if "cdi-annotations" not in options.list_strategies:  # a new key every time
+                # not kept: a new CDI annotation key every time; the control nodes passed with
+                # passDeviceSpecs are those that exist now (nvidia-uvm appears on first use)
+                if not options.pass_device_specs and \
+                        "cdi-annotations" not in options.list_strategies:
                     if len(answers) >= ANSWERS_KEPT:
                         answers.clear()
                     answers[key] = hit
