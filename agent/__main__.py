@@ -128,7 +128,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(only="run" if _command(argv) == "run" else None)
+    command = _command(argv)
+    if command == "run":
+        from agent.deferred import defer_event_loop_modules
+
+        defer_event_loop_modules()  # before anything imports grpc
+    parser = build_parser(only="run" if command == "run" else None)
     args = parser.parse_args(argv)
     from agent import logs
 

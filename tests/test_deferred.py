@@ -1,0 +1,128 @@
+"""agent/deferred.py: asyncio and grpc.aio stay unloaded while the agent does not use them, and
+turn into exactly the real packages when something does.
+
+Each case runs in a fresh interpreter (the test process has long imported asyncio), and the
+agent case checks the running `gpu-agent run` from outside, through /proc/PID/maps, as an
+operator would: no ssl and no _asyncio extension mapped after registration and Allocates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.daemon_harness import Node
+
+_PRELUDE = """
+import json, sys
+from agent.deferred import defer_event_loop_modules, is_loaded
+defer_event_loop_modules()
+"""
+
+
+def _python(code: str, defer: bool = True) -> dict:
+    """Run `code` after the prelude (with or without the deferral) in a fresh interpreter;
+    the JSON it prints last."""
+    prelude = _PRELUDE if defer else _PRELUDE.replace("defer_event_loop_modules()", "")
+    out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_grpc_imports_without_loading_asyncio_ssl_or_grpc_aio():
+    got = _python("""
+        import grpc
+        server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(1))
+        server.add_insecure_port("127.0.0.1:0")
+        server.start(); server.stop(None)
+        print(json.dumps({"asyncio": is_loaded("asyncio"), "grpc.aio": is_loaded("grpc.aio"),
+                          "ssl": "ssl" in sys.modules,
+                          "base_events": "asyncio.base_events" in sys.modules}))
+    """)
+    assert got == {"asyncio": False, "grpc.aio": False, "ssl": False, "base_events": False}
+
+
+def test_first_use_loads_the_real_asyncio_with_every_name_it_has():
+    real = _python("""
+        import asyncio
+        print(json.dumps(sorted(n for n in dir(asyncio) if not n.startswith("__"))))
+    """, defer=False)
+    got = _python("""
+        import grpc, asyncio
+        assert not is_loaded("asyncio")
+        loop_class = asyncio.AbstractEventLoop  # the one name answered without the load
+        assert not is_loaded("asyncio")
+
+        async def three():
+            await asyncio.sleep(0)
+            return 3
+
+        result = asyncio.run(three())
+        from asyncio import Queue, events
+        print(json.dumps({"loaded": is_loaded("asyncio"), "result": result,
+                          "same_loop_class": loop_class is events.AbstractEventLoop,
+                          "queue": Queue.__module__,
+                          "names": sorted(n for n in dir(asyncio) if not n.startswith("__"))}))
+    """)
+    assert got["loaded"] and got["result"] == 3 and got["same_loop_class"]
+    assert got["queue"] == "asyncio.queues"
+    assert got["names"] == real
+
+
+def test_grpc_aio_works_when_first_used():
+    got = _python("""
+        import grpc
+
+        async def call():
+            from grpc import aio
+            async with aio.insecure_channel("unix:/nonexistent/sock") as channel:
+                try:
+                    await channel.unary_unary("/x/y")(b"", timeout=0.5)
+                except aio.AioRpcError as exc:
+                    return exc.code().name
+
+        import asyncio
+        print(json.dumps({"code": asyncio.run(call()), "aio": is_loaded("grpc.aio")}))
+    """)
+    assert got == {"code": "UNAVAILABLE", "aio": True}
+
+
+def test_threads_that_race_to_first_use_get_the_same_module_contents():
+    got = _python("""
+        import threading, asyncio
+        seen, start = [], threading.Barrier(8)
+
+        def use():
+            start.wait()
+            seen.append(id(asyncio.Future) ^ id(asyncio.get_event_loop_policy))
+
+        threads = [threading.Thread(target=use) for _ in range(8)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        print(json.dumps({"distinct": len(set(seen)), "calls": len(seen)}))
+    """)
+    assert got == {"distinct": 1, "calls": 8}
+
+
+def test_nothing_is_deferred_once_imported():
+    got = _python("""
+        import asyncio as before
+        defer_event_loop_modules()
+        import asyncio
+        print(json.dumps({"same": asyncio is before, "loaded": is_loaded("asyncio")}))
+    """, defer=False)
+    assert got == {"same": True, "loaded": True}
+
+
+def test_the_running_agent_never_maps_ssl_or_the_asyncio_extension():
+    with Node() as node:
+        agent = node.agent()
+        devices = agent.wait_registered().devices
+        for device in devices[:5]:
+            assert agent.allocate([device.id]).container_responses
+        with open(f"/proc/{agent.pid}/maps") as f:
+            mapped = {line.split()[-1].rsplit("/", 1)[-1] for line in f if "/" in line}
+        assert not [m for m in mapped if m.startswith(("_ssl", "libssl", "_asyncio"))], mapped
+        assert agent.stop() == 0
