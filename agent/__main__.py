@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = _command(argv)
     if command == "run":
-        from agent.deferred import defer_event_loop_modules
+        from agent.deferred import defer_unused_modules
 
-        defer_event_loop_modules()  # before anything imports grpc
+        defer_unused_modules()  # before anything imports grpc
     parser = build_parser(only="run" if command == "run" else None)
     args = parser.parse_args(argv)
     from agent import logs

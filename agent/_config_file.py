@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Union
+from typing import Any, Callable, NamedTuple, Union
 
 from agent._config_kinds import (
     BoolKind,
@@ -40,8 +39,7 @@ MAX_RESOURCE_NAME = 63  # NVIDIA's limit on the full name, prefix included
 # The sections only the file can set.
 
 
-@dataclass(frozen=True)
-class ResourcePattern:
+class ResourcePattern(NamedTuple):
     """`resources.gpus[]` / `resources.mig[]`: devices whose model matches `pattern` (with `*`
     wildcards) are advertised as resource `name` (always in full, e.g. nvidia.com/a100)."""
 
@@ -49,8 +47,7 @@ class ResourcePattern:
     name: str
 
 
-@dataclass(frozen=True)
-class Resources:
+class Resources(NamedTuple):
     gpus: tuple[ResourcePattern, ...] = ()
     mig: tuple[ResourcePattern, ...] = ()
 
@@ -58,8 +55,7 @@ class Resources:
 Devices = Union[str, int, tuple[str, ...]]  # "all", a count, or GPU/MIG indexes and UUIDs
 
 
-@dataclass(frozen=True)
-class ReplicatedResource:
+class ReplicatedResource(NamedTuple):
     """One entry of `sharing.<strategy>.resources`."""
 
     name: str
@@ -68,8 +64,7 @@ class ReplicatedResource:
     rename: str | None = None  # as written; None: not given (renameByDefault may apply)
 
 
-@dataclass(frozen=True)
-class ReplicatedResources:
+class ReplicatedResources(NamedTuple):
     """`sharing.timeSlicing` or `sharing.mps`."""
 
     resources: tuple[ReplicatedResource, ...]
@@ -77,8 +72,7 @@ class ReplicatedResources:
     fail_requests_greater_than_one: bool = False
 
 
-@dataclass(frozen=True)
-class Sharing:
+class Sharing(NamedTuple):
     time_slicing: ReplicatedResources | None = None
     mps: ReplicatedResources | None = None
 
@@ -92,14 +86,12 @@ class Sharing:
         return "none"
 
 
-@dataclass(frozen=True)
-class Imex:
+class Imex(NamedTuple):
     channel_ids: tuple[int, ...] = ()
     required: bool = False
 
 
-@dataclass(frozen=True)
-class FileLayer:
+class FileLayer(NamedTuple):
     """What one config file sets. Only keys present (and not null) appear in the mappings;
     a section is None when the file does not have it."""
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -68,8 +67,7 @@ class Source(NamedTuple):
 DEFAULT = Source("default")
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """The effective configuration. Option fields hold values already checked; `sources`
     maps each option name, each section name and each compat key to its Source."""
 

@@ -205,7 +205,9 @@ def run() -> Section:
         "third-party ones they import). The rest is the agent's work: config, NVML init and "
         "discovery on the simulated library, the link model, the recorded faults, serving, and "
         "kubelet's dial-back inside Register. The journal, the CDI check, PyYAML, pyinotify "
-        "and the podresources client load after the first registration.",
+        "and the podresources client load after the first registration; asyncio, grpc.aio, "
+        "protobuf's python_message and ctypes.util, which grpc, protobuf and pynvml import "
+        "but the agent never uses, load only if something uses them (agent/deferred.py).",
         "Restart: measured from the simulated kubelet's RESTARTED event (its sockets wiped, "
         "kubelet.sock about to be served again) to the agent's Register and to the first "
         "device list of the new stream. The agent acts on the inotify event at once: it "
@@ -259,6 +261,8 @@ def _reloads(agent: _Run, config: str, socket: str, ids: list[str]) -> list[floa
 _IMPORT_STAGES = '''
 import time
 t0 = time.perf_counter()
+from agent.deferred import defer_unused_modules
+defer_unused_modules()  # as `gpu-agent run` does first
 import logging, argparse
 t1 = time.perf_counter()
 import grpc
@@ -271,7 +275,8 @@ import agent.__main__, agent.daemon
 t5 = time.perf_counter()
 print(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
 '''
-IMPORT_STAGES = ("logging + argparse", "grpc (imports asyncio)", "pynvml",
+IMPORT_STAGES = ("the deferral (agent/deferred.py) + logging + argparse",
+                 "grpc (asyncio, grpc.aio deferred)", "pynvml (ctypes.util deferred)",
                  "protobuf + the device-plugin messages", "the agent's own start path")
 
 

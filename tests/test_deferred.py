@@ -1,5 +1,5 @@
-"""agent/deferred.py: asyncio and grpc.aio stay unloaded while the agent does not use them, and
-turn into exactly the real packages when something does.
+"""agent/deferred.py: asyncio, grpc.aio and protobuf's python_message stay unloaded while the
+agent does not use them, and turn into exactly the real modules when something does.
 
 Each case runs in a fresh interpreter (the test process has long imported asyncio), and the
 agent case checks the running `gpu-agent run` from outside, through /proc/PID/maps, as an
@@ -17,15 +17,15 @@ from tests.daemon_harness import Node
 
 _PRELUDE = """
 import json, sys
-from agent.deferred import defer_event_loop_modules, is_loaded
-defer_event_loop_modules()
+from agent.deferred import defer_unused_modules, is_loaded
+defer_unused_modules()
 """
 
 
 def _python(code: str, defer: bool = True) -> dict:
     """Run `code` after the prelude (with or without the deferral) in a fresh interpreter;
     the JSON it prints last."""
-    prelude = _PRELUDE if defer else _PRELUDE.replace("defer_event_loop_modules()", "")
+    prelude = _PRELUDE if defer else _PRELUDE.replace("defer_unused_modules()", "")
     out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -90,6 +90,44 @@ def test_grpc_aio_works_when_first_used():
     assert got == {"code": "UNAVAILABLE", "aio": True}
 
 
+def test_protobuf_messages_work_without_python_message_and_its_first_use_loads_it():
+    got = _python("""
+        from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+        request = dp.AllocateRequest(container_requests=[
+            dp.ContainerAllocateRequest(devices_ids=["GPU-a", "GPU-b"])])
+        again = dp.AllocateRequest.FromString(request.SerializeToString())
+        before = is_loaded("google.protobuf.internal.python_message")
+        from google.protobuf import text_format
+        text = text_format.MessageToString(again, as_one_line=True)
+        from google.protobuf.internal import python_message
+        helper = python_message._AttachFieldHelpers.__name__
+        print(json.dumps({"before": before, "ids": list(again.container_requests[0].devices_ids),
+                          "text": text, "helper": helper,
+                          "after": is_loaded("google.protobuf.internal.python_message")}))
+    """)
+    assert got == {"before": False, "ids": ["GPU-a", "GPU-b"], "after": True,
+                   "helper": "_AttachFieldHelpers",
+                   "text": 'container_requests { devices_ids: "GPU-a" devices_ids: "GPU-b" }'}
+
+
+def test_pynvml_imports_without_ctypes_util_and_its_find_library_still_works():
+    real = _python("""
+        import ctypes.util
+        print(json.dumps({"libc": ctypes.util.find_library("c")}))
+    """, defer=False)
+    got = _python("""
+        import pynvml
+        before = is_loaded("ctypes.util")
+        libc = pynvml.find_library("c")  # the forwarder pynvml imported: loads, then calls
+        import ctypes.util
+        print(json.dumps({"before": before, "libc": libc, "after": is_loaded("ctypes.util"),
+                          "same": ctypes.util.find_library("c") == libc,
+                          "real": ctypes.util.find_library.__module__}))
+    """)
+    assert got == {"before": False, "libc": real["libc"], "after": True, "same": True,
+                   "real": "ctypes.util"}
+
+
 def test_threads_that_race_to_first_use_get_the_same_module_contents():
     got = _python("""
         import threading, asyncio
@@ -109,7 +147,7 @@ def test_threads_that_race_to_first_use_get_the_same_module_contents():
 def test_nothing_is_deferred_once_imported():
     got = _python("""
         import asyncio as before
-        defer_event_loop_modules()
+        defer_unused_modules()
         import asyncio
         print(json.dumps({"same": asyncio is before, "loaded": is_loaded("asyncio")}))
     """, defer=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
 from types import MappingProxyType
 
 from agent._fast._types import EVENT_DOUBLE_BIT_ECC, EVENT_XID_CRITICAL, XID_FILTER_SIZE
@@ -116,14 +114,31 @@ def nvidia_is_disabled(disabled: Mapping[int, bool], xid: int) -> bool:
     return nvidia_all_disabled(disabled)
 
 
-@dataclass(frozen=True)
 class XidPolicy:
-    """The effective policy. `enabled` False: health checks are off (no event loop)."""
+    """The effective policy. `enabled` False: health checks are off (no event loop). Never
+    changed once made; equal when its four settings are."""
 
-    enabled: bool = True
-    disable: str = ""
-    enable: str = ""
-    overrides: Mapping[int, str] = field(default_factory=dict)
+    __slots__ = ("enabled", "disable", "enable", "overrides", "_filtered_xids")
+
+    def __init__(self, enabled: bool = True, disable: str = "", enable: str = "",
+                 overrides: Mapping[int, str] = MappingProxyType({})):
+        self.enabled = enabled
+        self.disable = disable
+        self.enable = enable
+        self.overrides = overrides
+        self._filtered_xids: tuple[int, ...] | None = None
+
+    def _key(self) -> tuple:
+        return self.enabled, self.disable, self.enable, dict(self.overrides)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, XidPolicy) and self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]  # holds a mapping
+
+    def __repr__(self) -> str:
+        return (f"XidPolicy(enabled={self.enabled!r}, disable={self.disable!r}, "
+                f"enable={self.enable!r}, overrides={dict(self.overrides)!r})")
 
     @classmethod
     def build(cls, disable: str = "", enable: str = "",
@@ -167,10 +182,11 @@ class XidPolicy:
 
     def filtered_xids(self) -> tuple[int, ...]:
         """The XIDs (0..1023) that withdraw nothing: dropped by the C filter."""
-        return self._filtered
+        if self._filtered_xids is None:  # the policy never changes: worked out once
+            self._filtered_xids = self._filtered()
+        return self._filtered_xids
 
-    @cached_property
-    def _filtered(self) -> tuple[int, ...]:  # the policy never changes: worked out once
+    def _filtered(self) -> tuple[int, ...]:
         if not self.enabled:
             return ()
         disabled, enabled = self._nvidia()

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
 
 from agent.constants import XID_ACTIONS
 from agent.fileio import write_atomic
@@ -29,26 +28,40 @@ FORMAT_VERSION = 1
 KINDS = ("xid", "ecc", "lost", "register", "wait")
 
 
-@dataclass
 class Fault:
     """Why one advertised device is withdrawn. `kind`: xid, ecc (double-bit ECC event), lost
-    (GPU_IS_LOST), register (event registration failed), wait (a wait error naming no GPU)."""
+    (GPU_IS_LOST), register (event registration failed), wait (a wait error naming no GPU).
+    The monitor updates a fault in place as new events come."""
 
-    device_id: str
-    gpu_uuid: str
-    gpu_index: int
-    kind: str
-    action: str  # RESET or REBOOT
-    reason: str
-    xid: int | None = None
-    since: float = 0.0  # wall clock (time.time()) of the first event
-    boot_id: str = ""  # the boot the fault happened in
-    last_event: float = 0.0  # monotonic time of the latest critical event (not persisted)
+    __slots__ = ("device_id", "gpu_uuid", "gpu_index", "kind", "action", "reason", "xid",
+                 "since", "boot_id", "last_event")
+    _PERSISTED = __slots__[:-1]  # last_event: monotonic time of the latest critical event
+
+    def __init__(self, device_id: str, gpu_uuid: str, gpu_index: int, kind: str, action: str,
+                 reason: str, xid: int | None = None, since: float = 0.0, boot_id: str = "",
+                 last_event: float = 0.0):
+        self.device_id = device_id
+        self.gpu_uuid = gpu_uuid
+        self.gpu_index = gpu_index
+        self.kind = kind
+        self.action = action  # RESET or REBOOT
+        self.reason = reason
+        self.xid = xid
+        self.since = since  # wall clock (time.time()) of the first event
+        self.boot_id = boot_id  # the boot the fault happened in
+        self.last_event = last_event  # monotonic; not persisted
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Fault) and all(
+            getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place
+
+    def __repr__(self) -> str:
+        return "Fault(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
     def to_data(self) -> dict:
-        data = asdict(self)
-        del data["last_event"]
-        return data
+        return {k: getattr(self, k) for k in self._PERSISTED}
 
     @classmethod
     def from_data(cls, data: dict) -> Fault:

@@ -25,7 +25,6 @@ import selectors
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from agent.dirwatch import DIR_GONE, DirWatch
@@ -66,17 +65,22 @@ class ResourceStatus(NamedTuple):
     last_error: str
 
 
-@dataclass
 class _Plugin:
-    manager: ResourceManager
-    server: PluginServer | None = None
-    registered_with: Identity | None = None
-    registrations: int = 0
-    failed_for: Identity | None = None  # the kubelet instance the last failure was against
-    retry_at: float = 0.0
-    backoff: float = RETRY_FIRST_S
-    last_error: str = ""
-    servers_started: int = 0
+    """What the registrar knows of one resource's server and registration."""
+
+    __slots__ = ("manager", "server", "registered_with", "registrations", "failed_for",
+                 "retry_at", "backoff", "last_error", "servers_started")
+
+    def __init__(self, manager: ResourceManager, registrations: int = 0):
+        self.manager = manager
+        self.server: PluginServer | None = None
+        self.registered_with: Identity | None = None
+        self.registrations = registrations
+        self.failed_for: Identity | None = None  # the kubelet instance the last failure was against
+        self.retry_at = 0.0
+        self.backoff = RETRY_FIRST_S
+        self.last_error = ""
+        self.servers_started = 0
 
 
 class _Wanted(NamedTuple):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from agent.constants import (
@@ -61,13 +60,22 @@ class ResponseOptions(NamedTuple):
     dev_root: str = DEFAULT_DRIVER_ROOT
 
 
-@dataclass
 class ContainerResponse:
-    envs: dict[str, str] = field(default_factory=dict)
-    mounts: list[Mount] = field(default_factory=list)
-    devices: list[DeviceSpec] = field(default_factory=list)
-    annotations: dict[str, str] = field(default_factory=dict)
-    cdi_devices: list[str] = field(default_factory=list)
+    """One container's answer, filled in by build_response (then never changed)."""
+
+    __slots__ = ("envs", "mounts", "devices", "annotations", "cdi_devices")
+
+    def __init__(self) -> None:
+        self.envs: dict[str, str] = {}
+        self.mounts: list[Mount] = []
+        self.devices: list[DeviceSpec] = []
+        self.annotations: dict[str, str] = {}
+        self.cdi_devices: list[str] = []
+
+    def __repr__(self) -> str:
+        return (f"ContainerResponse(envs={self.envs!r}, mounts={self.mounts!r}, "
+                f"devices={self.devices!r}, annotations={self.annotations!r}, "
+                f"cdi_devices={self.cdi_devices!r})")
 
 
 def resolve_request(resource: str, ids: Sequence[str], known: Mapping[str, Device]) -> list[Device]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
 from typing import Any, NamedTuple
 
 from agent._fast import topology_impl
@@ -49,33 +48,34 @@ class ModelGpu(NamedTuple):
     numa_node: int | None
 
 
-@dataclass
 class TopologyModel:
     """The node's GPUs, every pair's link and score, and the search over the scores.
 
     Positions follow GPU index order; `links[(a, b)]` is keyed by position. `source` says where
     the links came from ("nvml", or "numa" for the NUMA-only fallback), for logs and status.
+    `topology_module` is the agent._fast topology module whose PairScores searches the model;
+    None: the live one (agent._fast.topology_impl). Tests and benchmarks hand in the compiled
+    module or its twin.
     """
 
-    gpus: tuple[ModelGpu, ...]
-    links: Mapping[tuple[int, int], Link]
-    source: str = "nvml"
-    # The agent._fast topology module whose PairScores searches the model; None: the live one
-    # (agent._fast.topology_impl). Tests and benchmarks hand in the compiled module or its twin.
-    topology_module: InitVar[Any] = None
-    scores: tuple[tuple[int, ...], ...] = field(init=False)
-    search: Any = field(init=False, repr=False)
-    by_uuid: dict[str, ModelGpu] = field(init=False, repr=False)
+    __slots__ = ("gpus", "links", "source", "scores", "search", "by_uuid")
 
-    def __post_init__(self, topology_module: Any) -> None:
-        n = len(self.gpus)
-        self.scores = tuple(
-            tuple(0 if a == b else pair_score(self.link(a, b), self.gpus[a].numa_node,
-                                              self.gpus[b].numa_node) for b in range(n))
+    def __init__(self, gpus: tuple[ModelGpu, ...], links: Mapping[tuple[int, int], Link],
+                 source: str = "nvml", topology_module: Any = None):
+        self.gpus = gpus
+        self.links = links
+        self.source = source
+        n = len(gpus)
+        self.scores: tuple[tuple[int, ...], ...] = tuple(
+            tuple(0 if a == b else pair_score(self.link(a, b), gpus[a].numa_node,
+                                              gpus[b].numa_node) for b in range(n))
             for a in range(n))
         impl = topology_impl if topology_module is None else topology_module
-        self.search = impl.PairScores(self.scores, [g.numa_node is None for g in self.gpus])
-        self.by_uuid = {g.uuid: g for g in self.gpus}
+        self.search = impl.PairScores(self.scores, [g.numa_node is None for g in gpus])
+        self.by_uuid: dict[str, ModelGpu] = {g.uuid: g for g in gpus}
+
+    def __repr__(self) -> str:
+        return f"TopologyModel({len(self.gpus)} GPUs, source={self.source!r})"
 
     def link(self, a: int, b: int) -> Link:
         """The link between positions a and b (SYS without NVLink when it was not read)."""
