@@ -86,14 +86,23 @@ def test_status_reports_the_running_agent(node):
     assert doc["summary"] == f"{GPU}: 8/8 healthy, registered (1)"
 
 
-def test_mig_enabled_gpus_are_not_advertised_with_mig_strategy_none():
+def test_mig_enabled_gpus_are_advertised_whole_with_mig_strategy_none():
+    # NVIDIA's plugin under migStrategy none: every GPU is a full nvidia.com/gpu, MIG-enabled
+    # or not (k8s-device-plugin internal/rm/device_map.go, buildGPUDeviceMap: a MIG-enabled
+    # GPU is skipped only when the strategy is not none; buildDeviceMapFromConfigResources
+    # returns before any MIG device is looked at under none).
     with Node("a100-mig") as node:
         profile = load_profile("a100-mig")
-        full = [g["uuid"] for g in profile["gpus"] if g.get("mig", {}).get("mode") != "enabled"]
         agent = node.agent()
         res = agent.wait_registered()
-        assert sorted(d.id for d in res.devices) == sorted(full)
-        assert "MIG enabled; not advertised with migStrategy none" in agent.log
+        assert sorted(d.id for d in res.devices) == sorted(g["uuid"] for g in profile["gpus"])
+        assert not [d for d in res.devices if d.id.startswith("MIG-")]
+        mig_on = [g for g in profile["gpus"] if g.get("mig", {}).get("mode") == "enabled"]
+        assert mig_on and all(f"GPU {g['index']} {g['uuid']}" in agent.log for g in mig_on)
+        assert "MIG enabled: advertised whole with migStrategy none" in agent.log
+        alloc = node.client.admit_pod("p", {"main": {GPU: 8}}).container("main").allocation(GPU)
+        visible = alloc.container_response.envs["NVIDIA_VISIBLE_DEVICES"].split(",")
+        assert sorted(visible) == sorted(g["uuid"] for g in profile["gpus"])
 
 
 def test_resources_gpus_renames_the_resource_and_its_socket(node):

@@ -174,7 +174,8 @@ def test_driver_checks_on_a_mig_node_with_a_lost_gpu(live, tmp_root):
     mig = checks["driver.mig"]
     assert mig["status"] == WARN
     assert "pending (applied at the next GPU reset) on GPU 7 (MIG enabled after)" in mig["found"]
-    assert "MIG is enabled on GPU 0, 1, 3, 4, 5" in mig["found"]
+    assert "MIG is enabled on GPU 0, 1, 3, 4, 5: with migStrategy none the agent advertises " \
+        "them as whole GPUs" in mig["found"]
     assert "nvidia-smi -i 7 -r" in mig["fix"]
     # the agent of `live` advertises dgx1-v100's GPUs: not this node's
     reg = checks["kubelet.registration"]

@@ -35,9 +35,10 @@ def test_one_device_per_gpu_with_uuid_ids_and_minor_based_nodes():
     assert BY_ID[GPUS[3].uuid].paths == ("/dev/nvidia13",)
 
 
-def test_mig_enabled_gpus_are_not_full_gpu_devices():
+def test_mig_enabled_gpus_are_full_gpu_devices_under_mig_strategy_none():
+    # as NVIDIA's plugin (k8s-device-plugin internal/rm/device_map.go, buildGPUDeviceMap)
     mig = GPUS[0]._replace(mig_enabled=True)
-    assert full_gpu_devices([mig, GPUS[1]]) == [BY_ID[GPUS[1].uuid]]
+    assert full_gpu_devices([GPUS[1], mig]) == [BY_ID[GPUS[0].uuid], BY_ID[GPUS[1].uuid]]
 
 
 @pytest.mark.parametrize(

@@ -176,14 +176,15 @@ def check_mig(ctx: Context) -> Finding:
                                          for s in pending),
                              f"stop the GPUs' processes, then `nvidia-smi -i {ids} -r` (or "
                              f"reboot); then `systemctl reload gpu-agent`"))
-    unused = [s for s in capable if s.mig_current] if ctx.cfg.mig_strategy == "none" else []
-    if unused:
-        ids = ",".join(str(s.index) for s in unused)
-        findings.append(warn(f"MIG is enabled on GPU {', '.join(str(s.index) for s in unused)}: "
-                             f"with migStrategy none the agent does not advertise "
-                             f"{'it' if len(unused) == 1 else 'them'}",
-                             f"to advertise them as full GPUs, disable MIG: `nvidia-smi -i {ids} "
-                             f"-mig 0`, then `nvidia-smi -i {ids} -r`"))
+    whole = [s for s in capable if s.mig_current] if ctx.cfg.mig_strategy == "none" else []
+    if whole:  # NVIDIA's plugin does the same (internal/rm/device_map.go, buildGPUDeviceMap)
+        ids = ",".join(str(s.index) for s in whole)
+        findings.append(warn(f"MIG is enabled on GPU {', '.join(str(s.index) for s in whole)}: "
+                             f"with migStrategy none the agent advertises "
+                             f"{'it' if len(whole) == 1 else 'them'} as whole GPUs, and a "
+                             f"container given one sees its MIG devices",
+                             f"to use the GPU whole, disable MIG: `nvidia-smi -i {ids} -mig 0`, "
+                             f"then `nvidia-smi -i {ids} -r`"))
     for index, error in sorted(facts.settings_errors.items()):
         findings.append(warn(f"GPU {index}: settings unreadable: {error}", None))
     if findings:

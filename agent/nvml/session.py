@@ -99,12 +99,9 @@ class NvmlSession:
 def log_gpus(gpus: list[discovery.Gpu]) -> None:
     for g in gpus:
         numa = "-" if g.numa_node is None else g.numa_node
-        if g.mig_enabled:
-            log.info("GPU %d %s (%s): MIG enabled; not advertised with migStrategy none",
-                     g.index, g.uuid, g.name)
-        else:
-            log.info("GPU %d %s (%s, PCI %s, NUMA %s, %d MiB, compute %d.%d) discovered",
-                     g.index, g.uuid, g.name, g.pci_bus_id, numa, g.memory_total >> 20,
-                     *g.compute_capability)
+        log.info("GPU %d %s (%s, PCI %s, NUMA %s, %d MiB, compute %d.%d%s) discovered",
+                 g.index, g.uuid, g.name, g.pci_bus_id, numa, g.memory_total >> 20,
+                 *g.compute_capability,
+                 ", MIG enabled: advertised whole with migStrategy none" if g.mig_enabled else "")
     if not gpus:
         log.warning("no GPUs found: advertising nothing")

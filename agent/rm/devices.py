@@ -33,7 +33,10 @@ class Device(NamedTuple):
 
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
-    """One `nvidia.com/gpu` device per GPU without MIG, in index order."""
+    """One full-GPU device per GPU, in index order. With migStrategy none (the only one
+    `gpu-agent run` takes so far) a MIG-enabled GPU is a full GPU too, as NVIDIA's
+    plugin advertises it (internal/rm/device_map.go, buildGPUDeviceMap, skips MIG-enabled GPUs
+    only when the strategy is not none); a container given it sees its MIG devices."""
     return [
         Device(
             id=gpu.uuid,
@@ -45,7 +48,6 @@ def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
             name=gpu.name,
         )
         for gpu in sorted(gpus, key=lambda g: g.index)
-        if not gpu.mig_enabled
     ]
 
 

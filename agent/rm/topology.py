@@ -109,8 +109,8 @@ class TopologyModel:
     @classmethod
     def from_links(cls, gpus: Sequence[Gpu], links: Mapping[tuple[int, int], Link],
                    source: str = "nvml", *, topology_module: Any = None) -> TopologyModel:
-        """The model of `gpus` from `read_links` output (keyed by GPU index); MIG-enabled GPUs
-        are kept too (they have positions, never devices of full-GPU resources)."""
+        """The model of `gpus` from `read_links` output (keyed by GPU index), MIG-enabled GPUs
+        included."""
         ordered = sorted(gpus, key=lambda g: g.index)
         model_gpus = tuple(ModelGpu(p, g.index, g.uuid, g.numa_node) for p, g in enumerate(ordered))
         pos = {g.index: g.pos for g in model_gpus}
