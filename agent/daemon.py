@@ -22,7 +22,7 @@ from typing import Any
 
 from agent import __version__, status
 from agent.config import Config, load_config
-from agent.errors import ConfigError, InitError
+from agent.errors import ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
 from agent.nvml.session import NvmlSession
@@ -202,7 +202,9 @@ class Daemon:
         try:
             new = load_config(self.args, self.environ)
             check_supported(new)
-        except ConfigError as exc:
+            if self.nvml.up:  # a MIG layout the new strategy refuses keeps the old one
+                self.resources.device_map(self.resources.gpus, new)
+        except (ConfigError, MigLayoutError) as exc:
             self.last_error = f"reload refused: {exc}"
             log.error("reload refused, keeping the running configuration: %s", exc)
             new = None

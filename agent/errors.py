@@ -80,6 +80,12 @@ class InitError(AgentError):
     """NVML or discovery failed at start with failOnInitError true (exit 1)."""
 
 
+class MigLayoutError(AgentError):
+    """The node's MIG layout does not fit the MIG strategy (NVIDIA's rules and messages,
+    agent.rm.devices); the agent exits at start whatever failOnInitError says, as NVIDIA's
+    plugin does, and refuses a reload to it."""
+
+
 class NvmlError(AgentError):
     """An NVML call returned something other than NVML_SUCCESS."""
 

@@ -109,8 +109,8 @@ def test_sighup_applies_a_changed_config_behind_the_running_server(node):
     ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, envvar]\n",
      "flags.plugin.deviceListStrategy"),
     ("version: v1\nflags: [\n", "config.yaml"),
-    ("version: v1\nflags:\n  migStrategy: mixed\n", "flags.migStrategy"),
-], ids=["bad-choice", "repeated-item", "yaml-syntax", "unsupported-mig"])
+    ("version: v1\nimex:\n  channelIDs: [0]\n", "imex.channelIDs"),
+], ids=["bad-choice", "repeated-item", "yaml-syntax", "unsupported-imex"])
 def test_sighup_with_a_broken_config_keeps_the_running_one(node, broken, key):
     config = node.write("config.yaml", "version: v1\nflags:\n  plugin:\n"
                                        "    deviceListStrategy: cdi-cri\n")
@@ -220,10 +220,6 @@ BAD_CONFIG = [
     ("flag-bad-choice", None, ["--device-list-strategy", "nope"], {},
      "--device-list-strategy", "'nope' is not one of"),
     # accepted by the config layer, refused by `run` until implemented
-    ("run-mig-strategy-flag", None, ["--mig-strategy", "single"], {},
-     "--mig-strategy", "MIG strategy 'single' is not supported by gpu-agent run yet"),
-    ("run-mig-strategy-file", "version: v1\nflags:\n  migStrategy: mixed\n", [], {},
-     "flags.migStrategy", "MIG strategy 'mixed' is not supported"),
     ("run-time-slicing", "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
      "      - name: nvidia.com/gpu\n        replicas: 4\n", [], {},
      "sharing.timeSlicing", "time-slicing is not supported by gpu-agent run yet"),

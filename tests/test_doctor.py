@@ -560,8 +560,10 @@ def test_a_bad_config_fails_and_the_other_checks_still_run(live, tmp_root):
 
 
 def test_a_config_run_refuses_and_the_units_config_file(tmp_root):
-    # mig-strategy mixed parses, but `gpu-agent run` does not implement it yet
-    ctx = ctx_for(tmp_root, mig_strategy="mixed")
+    # IMEX channels parse, but `gpu-agent run` does not implement them yet
+    bad = Path(tmp_root, "imex.yaml")
+    bad.write_text("version: v1\nimex:\n  channelIDs: [0]\n")
+    ctx = ctx_for(tmp_root, config_file=str(bad))
     found = service.check_config(ctx)
     assert found.status == FAIL and "refuses it" in found.found
     # without --config, the unit's /etc/gpu-agent/config.yaml (under the root) is read

@@ -29,10 +29,19 @@ class NvmlFacts:
     unanswered: dict = field(default_factory=dict)  # index -> what the probe said
     settings: list = field(default_factory=list)  # agent.nvml.driver.GpuSettings
     settings_errors: dict = field(default_factory=dict)  # index -> error
+    migs: list = field(default_factory=list)  # agent.nvml.mig.MigDevice of MIG-enabled GPUs
 
     @property
     def up(self) -> bool:
         return not self.error
+
+    def device_map(self, cfg) -> dict:
+        """The devices of each resource the agent would advertise on these GPUs under `cfg`
+        (its MIG strategy included); MigLayoutError for a layout the strategy refuses."""
+        from agent.rm.devices import devices_by_resource
+
+        return devices_by_resource(self.gpus, cfg.resources.gpus, strategy=cfg.mig_strategy,
+                                   migs=self.migs, mig_patterns=cfg.resources.mig)
 
 
 def _gather(ctx: Context) -> NvmlFacts:
@@ -50,6 +59,10 @@ def _gather(ctx: Context) -> NvmlFacts:
     try:
         facts.info = nvml_driver.driver_info()
         facts.gpus = discovery.discover()
+        if ctx.cfg.mig_strategy != "none":
+            from agent.nvml import mig
+
+            facts.migs = mig.read_mig_devices(facts.gpus)
         found = {g.index for g in facts.gpus}
         facts.lost = [i for i in range(facts.info.gpu_count) if i not in found]
         for gpu in facts.gpus:

@@ -18,7 +18,7 @@ from agent.doctor.context import Context
 from agent.doctor.driver import nvml_facts
 from agent.doctor.model import Finding, Spec, fail, ok, skip, warn, worst
 from agent.doctor.service import agent_status
-from agent.errors import PodResourcesError
+from agent.errors import MigLayoutError, PodResourcesError
 
 KUBELET_FIX = "`systemctl status kubelet`; start it with `systemctl start kubelet`"
 _SHOWN = 4  # device IDs named per difference
@@ -94,9 +94,10 @@ def advertised(ctx: Context) -> tuple[dict[str, set] | None, str]:
     facts = nvml_facts(ctx)
     if not facts.up:
         return None, "no agent runs and NVML does not load"
-    from agent.rm.devices import devices_by_resource
-
-    by_resource = devices_by_resource(facts.gpus, ctx.cfg.resources.gpus)
+    try:
+        by_resource = facts.device_map(ctx.cfg)
+    except MigLayoutError as exc:
+        return None, f"no agent runs and the MIG layout is refused ({exc})"
     return ({name: {d.id for d in devices} for name, devices in by_resource.items()},
             "discovery and the config (no agent runs)")
 
@@ -206,10 +207,11 @@ def _advertised_vs_discovered(ctx: Context, doc: dict) -> list[Finding]:
     facts = nvml_facts(ctx)
     if not facts.up or not (doc.get("nvml") or {}).get("up"):
         return []
-    from agent.rm.devices import devices_by_resource
-
-    now = {d.id for ds in devices_by_resource(facts.gpus, ctx.cfg.resources.gpus).values()
-           for d in ds}
+    try:
+        now = {d.id for ds in facts.device_map(ctx.cfg).values() for d in ds}
+    except MigLayoutError as exc:
+        return [warn(f"the node's MIG layout now is refused by migStrategy "
+                     f"{ctx.cfg.mig_strategy}: {exc}", "see docs/mig.md")]
     advertised = {d["id"] for r in doc.get("resources") or [] for d in r["devices"]}
     if now == advertised:
         return []

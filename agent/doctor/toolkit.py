@@ -14,6 +14,7 @@ import re
 from agent.doctor.context import SYSTEM_PATH, Context
 from agent.doctor.driver import nvml_facts
 from agent.doctor.model import Finding, Spec, fail, ok, skip, warn
+from agent.errors import MigLayoutError
 
 NVIDIA_CTK = "nvidia-ctk"
 NVIDIA_RUNTIME = "nvidia-container-runtime"
@@ -65,7 +66,6 @@ def check_runtime(ctx: Context) -> Finding:
 
 def check_cdi_spec(ctx: Context) -> Finding:
     from agent.rm import cdi
-    from agent.rm.devices import devices_by_resource
     from agent.rm.resources import response_options
 
     cfg = ctx.cfg
@@ -75,8 +75,10 @@ def check_cdi_spec(ctx: Context) -> Finding:
     facts = nvml_facts(ctx)
     if not facts.up:
         return skip("needs the GPUs from NVML (see driver.nvml)")
-    devices = [d for ds in devices_by_resource(facts.gpus, cfg.resources.gpus).values()
-               for d in ds]
+    try:
+        devices = [d for ds in facts.device_map(cfg).values() for d in ds]
+    except MigLayoutError as exc:
+        return skip(f"the MIG layout is refused by migStrategy {cfg.mig_strategy} ({exc})")
     found = cdi.check(devices, response_options(cfg), cfg.cdi_spec_dirs)
     fix = (f"`{cdi.GENERATE_COMMAND}`, and keep it current: `systemctl enable --now "
            f"{cdi.REFRESH_UNITS}`; then `systemctl reload gpu-agent`")

@@ -1,18 +1,29 @@
 """The device model: what the agent advertises to kubelet, and how each device maps to GPUs.
 
-Owns: `Device` (one advertised device), building the full-GPU device list from discovered
-GPUs, and naming the resource each one is advertised under (`resources.gpus` patterns, as
-NVIDIA's plugin reads them). Later: MIG devices and shared replicas map onto the same record.
-Must not call NVML (it gets `agent.nvml.discovery.Gpu` records) nor import grpc.
+Owns: `Device` (one advertised device), the device map of a MIG strategy (which GPUs and MIG
+devices are advertised, under which resource names, and which layouts a strategy refuses), and
+naming resources (`resources.gpus` / `resources.mig` patterns, as NVIDIA's plugin reads them).
+Later: shared replicas map onto the same record. Must not call NVML (it gets
+`agent.nvml.discovery.Gpu` and `agent.nvml.mig.MigDevice` records) nor import grpc.
+
+The MIG rules are NVIDIA's, from k8s-device-plugin internal/rm/device_map.go
+(buildDeviceMapFromConfigResources, buildGPUDeviceMap, buildMigDeviceMap,
+assertAllMigDevicesAreValid) and internal/rm/rm.go AddDefaultResourcesToConfig; each rule
+below names its function, and the messages are NVIDIA's.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from agent.errors import MigLayoutError
 from agent.nvml.discovery import Gpu
+from agent.nvml.mig import MigDevice
+
+log = logging.getLogger(__name__)
 
 RESOURCE_GPU = "nvidia.com/gpu"
 
@@ -33,10 +44,8 @@ class Device(NamedTuple):
 
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
-    """One full-GPU device per GPU, in index order. With migStrategy none (the only one
-    `gpu-agent run` takes so far) a MIG-enabled GPU is a full GPU too, as NVIDIA's
-    plugin advertises it (internal/rm/device_map.go, buildGPUDeviceMap, skips MIG-enabled GPUs
-    only when the strategy is not none); a container given it sees its MIG devices."""
+    """One full-GPU device per GPU, in index order, MIG-enabled or not (the caller leaves out
+    what a strategy does not advertise whole)."""
     return [
         Device(
             id=gpu.uuid,
@@ -67,10 +76,82 @@ def resource_name_for(product: str, patterns: Sequence[Any]) -> str:
     return RESOURCE_GPU
 
 
-def devices_by_resource(gpus: Iterable[Gpu], patterns: Sequence[Any] = ()) -> dict[str, list[Device]]:
-    """Full-GPU devices grouped by resource name (sorted by name; devices in index order).
-    A resource appears only when at least one GPU maps to it."""
+def mig_device(m: MigDevice) -> Device:
+    """The advertised device of a MIG device: its UUID, NVIDIA's `i:j` index, the parent's
+    device node (internal/rm/nvml_devices.go GetPaths; the capability nodes come with
+    passDeviceSpecs, agent.rm.allocate) and its GPU / compute instance for health events."""
+    return Device(id=m.uuid, index=m.index_id, gpu_uuid=m.parent.uuid, gpu_index=m.parent.index,
+                  numa_node=m.parent.numa_node, paths=(f"/dev/nvidia{m.parent.minor}",),
+                  name=f"{m.parent.name} MIG {m.profile}", gi=m.gi, ci=m.ci)
+
+
+def default_mig_resource(strategy: str, profile: str) -> str | None:
+    """The resource a MIG device of `profile` gets when no `resources.mig` pattern names it
+    (rm.go AddDefaultResourcesToConfig): under single every profile is nvidia.com/gpu; under
+    mixed a profile whose compute instance is its whole GPU instance is
+    nvidia.com/mig-<profile> with `+` written `.` (1g.10gb+me -> mig-1g.10gb.me), and a smaller
+    compute instance (1c.3g.20gb) has none."""
+    if strategy == "single":
+        return RESOURCE_GPU
+    if strategy == "mixed" and not re.match(r"^\d+c\.", profile):
+        return "nvidia.com/mig-" + profile.replace("+", ".")
+    return None
+
+
+def _invalid(problem: str) -> MigLayoutError:
+    return MigLayoutError(f"error building device map from config.resources: invalid MIG "
+                          f"configuration: {problem} (see docs/mig.md)")
+
+
+def _check_mig_layout(strategy: str, gpus: Sequence[Gpu], migs: Sequence[MigDevice]) -> None:
+    """assertAllMigDevicesAreValid: a MIG-enabled GPU without MIG devices is refused under
+    single (a warning under mixed), and single takes one kind of MIG device on the node."""
+    with_migs = {m.parent.index for m in migs}
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        if gpu.mig_enabled and gpu.index not in with_migs:
+            if strategy == "single":
+                raise _invalid(f"at least one device with migEnabled=true was not configured "
+                               f"correctly: device {gpu.index} has no MIG devices configured")
+            log.warning("device %d has no MIG devices configured (GPU %s): it advertises "
+                        "nothing under migStrategy mixed", gpu.index, gpu.uuid)
+    if strategy == "single" and len({m.kind for m in migs}) > 1:
+        raise _invalid("more than one MIG device type present on node")
+
+
+def devices_by_resource(gpus: Iterable[Gpu], patterns: Sequence[Any] = (), *,
+                        strategy: str = "none", migs: Sequence[MigDevice] = (),
+                        mig_patterns: Sequence[Any] = ()) -> dict[str, list[Device]]:
+    """The devices of each resource (sorted by name; full GPUs in index order, then MIG
+    devices by GPU and handle index) under MIG `strategy`; `migs` are the node's MIG devices
+    (read only when the strategy is not none). MigLayoutError, with NVIDIA's words, for a
+    layout the strategy refuses. A resource appears only when a device maps to it."""
+    gpus = list(gpus)
     out: dict[str, list[Device]] = {}
-    for device in full_gpu_devices(gpus):
+    for device, gpu in zip(full_gpu_devices(gpus), sorted(gpus, key=lambda g: g.index)):
+        if gpu.mig_enabled and strategy != "none":  # buildGPUDeviceMap
+            continue
         out.setdefault(resource_name_for(device.name, patterns), []).append(device)
+    if strategy == "none":
+        return dict(sorted(out.items()))
+    mig_map: dict[str, list[Device]] = {}
+    for m in migs:  # buildMigDeviceMap: the configured patterns first, then the defaults
+        name = next((p.name for p in mig_patterns if _pattern_regex(p.pattern).match(m.profile)),
+                    None) or default_mig_resource(strategy, m.profile)
+        if name is None:
+            raise MigLayoutError(f"error building device map from config.resources: error "
+                                 f"building MIG device map: MIG profile '{m.profile}' does not "
+                                 f"match any resource patterns (MIG device {m.uuid} on GPU "
+                                 f"{m.parent.index}; see docs/mig.md)")
+        mig_map.setdefault(name, []).append(mig_device(m))
+    _check_mig_layout(strategy, gpus, migs)
+    if strategy == "single" and out and mig_map:  # buildDeviceMapFromConfigResources
+        raise _invalid_single_mix()
+    for name, devices in mig_map.items():
+        out.setdefault(name, []).extend(devices)
     return dict(sorted(out.items()))
+
+
+def _invalid_single_mix() -> MigLayoutError:
+    return MigLayoutError("error building device map from config.resources: all devices on the "
+                          "node must be configured with the same migEnabled value (see "
+                          "docs/mig.md)")

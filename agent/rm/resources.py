@@ -1,7 +1,7 @@
 """The set of resources the agent advertises, built from the discovered GPUs and the config.
 
-Owns: which settings `gpu-agent run` implements (MIG single/mixed, sharing and IMEX are
-refused with the key named), the Allocate response options a config gives, the link model of
+Owns: which settings `gpu-agent run` implements (sharing and IMEX are refused with the key
+named), the Allocate response options a config gives, the link model of
 the GPUs (read from NVML once per GPU set), and `Resources.apply`: one `ResourceManager` per
 resource name, kept across reloads. A resource that stays keeps its manager object (its
 server, streams and device health stay with it) and only takes the new settings; resources
@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.config import Config
 from agent.errors import ConfigError, NvmlError, StateError
-from agent.nvml import discovery
+from agent.nvml import discovery, mig
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
@@ -30,13 +30,6 @@ log = logging.getLogger(__name__)
 def check_supported(cfg: Config) -> None:
     """Refuse, with the key and where it was set, settings `run` does not implement yet
     (config.py accepts them, as NVIDIA's schema has them)."""
-    if cfg.mig_strategy != "none":
-        src = cfg.source("mig_strategy")
-        key = {"flag": src.name, "env": src.name}.get(src.kind, "flags.migStrategy")
-        where = {"flag": "command line", "env": "environment"}.get(src.kind, src.name)
-        raise ConfigError(key, f"MIG strategy {cfg.mig_strategy!r} is not supported by "
-                               f"gpu-agent run yet (MIG devices come in a later release); "
-                               f"use 'none'", where)
     for key, refused, what in (("sharing.timeSlicing", cfg.sharing.time_slicing is not None,
                                 "time-slicing is"),
                                ("sharing.mps", cfg.sharing.mps is not None, "MPS sharing is"),
@@ -86,15 +79,25 @@ class Resources:
     def devices(self) -> list:
         return [d for m in self.managers.values() for d in m.devices]
 
+    @staticmethod
+    def device_map(gpus: Sequence[discovery.Gpu], cfg: Config) -> dict[str, list]:
+        """The devices of each resource `cfg` advertises on `gpus` (MIG devices read from
+        NVML when the strategy is not none); MigLayoutError for a layout it refuses."""
+        migs = mig.read_mig_devices(gpus) if cfg.mig_strategy != "none" else []
+        return devices_by_resource(gpus, cfg.resources.gpus, strategy=cfg.mig_strategy,
+                                   migs=migs, mig_patterns=cfg.resources.mig)
+
     def apply(self, gpus: Sequence[discovery.Gpu], cfg: Config) -> tuple[list[str], list[str]]:
         """Advertise `gpus` as `cfg` says; (added, removed) resource names. The managers dict
-        is replaced as a whole, so readers on other threads see the old or the new one."""
+        is replaced as a whole, so readers on other threads see the old or the new one.
+        MigLayoutError (nothing changed) for a MIG layout the strategy refuses."""
+        device_map = self.device_map(gpus, cfg)
         self.gpus = list(gpus)
         options, topology = response_options(cfg), self._topology()
         policies = {"allocation_policy": cfg.allocation_policy,
                     "replica_policy": cfg.replica_allocation_policy}
         managers = {}
-        for name, devices in devices_by_resource(self.gpus, cfg.resources.gpus).items():
+        for name, devices in device_map.items():
             manager = self.managers.get(name)
             if manager is None:
                 manager = ResourceManager(name, devices, options, journal=self._record,
@@ -108,7 +111,8 @@ class Resources:
         for name in added:
             m = managers[name]
             log.info("resource %s: %d devices (%s)", name, len(m.devices),
-                     ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" for d in m.devices))
+                     ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" if d.gi is None else
+                               f"MIG {d.index} {d.id}" for d in m.devices))
         for name in removed:
             log.info("resource %s: no longer advertised", name)
         return added, removed
