@@ -1,0 +1,61 @@
+"""agent/nvml/mig.py: MIG devices read through pynvml from the simulated NVML, and their
+profile names computed as go-nvlib computes them (k8s-device-plugin's vendored
+github.com/NVIDIA/go-nvlib pkg/nvlib/device/mig_profile.go: getMigMemorySizeGB and
+MigProfileInfo.String(); mig_device.go GetProfile; device.go VisitMigDevices)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.nvml import discovery, mig
+from agent.sim.profile import load_profile
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("total_gib, memory_mb, gb", [
+    # A100-SXM4-40GB (40 GiB): 1g.5gb, 2g.10gb, 3g.20gb, 7g.40gb as nvidia-smi mig -lgip lists
+    (40, 4864, 5), (40, 9984, 10), (40, 20096, 20), (40, 40192, 40),
+    # A100-SXM4-80GB: 1g.10gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb
+    (80, 9728, 10), (80, 19968, 20), (80, 40192, 40), (80, 80896, 80),
+])
+def test_memory_gb_rounds_the_share_up_to_eighths_of_the_whole_gb(total_gib, memory_mb, gb):
+    assert mig.memory_gb(total_gib * GIB, memory_mb) == gb
+
+
+def test_memory_gb_counts_a_partial_gib_of_the_parent_as_a_whole_one():
+    # go-nvlib: totalMemGB = ceil(total / 1 GiB); an 80 GB part reporting 79.65 GiB is 80
+    assert mig.memory_gb(85520809984, 9856) == 10
+
+
+@pytest.mark.parametrize("ci, gi, gb, suffix, name", [
+    (1, 1, 10, "", "1g.10gb"),
+    (3, 3, 40, "", "3g.40gb"),
+    (1, 3, 20, "", "1c.3g.20gb"),  # a compute instance smaller than its GPU instance
+    (2, 4, 20, "", "2c.4g.20gb"),
+    (1, 1, 10, "+me", "1g.10gb+me"),
+    (1, 1, 10, "-me", "1g.10gb-me"),
+])
+def test_profile_name_is_go_nvlibs(ci, gi, gb, suffix, name):
+    assert mig.profile_name(ci, gi, gb, suffix) == name
+
+
+def test_read_mig_devices_of_a100_mig_match_the_profiles_the_driver_lists(node):
+    node("a100-mig")
+    spec = load_profile("a100-mig")
+    found = mig.read_mig_devices(discovery.discover())
+    expected = []
+    for g in spec["gpus"]:
+        m = g.get("mig", {})
+        if m.get("mode") != "enabled":
+            continue  # GPU 7: enabling is pending, the current mode counts (as NVIDIA)
+        names = {p["nvml_profile"]: p["name"] for p in m["profiles"]}
+        expected += [(g["index"], k, i["uuid"], i["gi"], i["ci"], names[i["profile"]])
+                     for k, i in enumerate(m["instances"])]
+    assert [(d.parent.index, d.index, d.uuid, d.gi, d.ci, d.profile) for d in found] == expected
+    assert {d.index_id for d in found if d.parent.index == 1} == {"1:0", "1:1", "1:2", "1:3"}
+
+
+def test_gpus_without_mig_have_no_mig_devices(node):
+    node("dgx1-v100")
+    assert mig.read_mig_devices(discovery.discover()) == []
