@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
 import pytest
 
+from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim import control
 from agent.sim.profile import dump_profile, gpu_bus_id, load_profile
 from tests.daemon_harness import GPU, Node
@@ -214,3 +217,26 @@ def test_sighup_moves_between_strategies_and_gpu_never_drops_to_zero():
         # the resource that stays (nvidia.com/gpu) was never taken away from kubelet
         assert node.client.zero_windows(GPU) == []
         assert node.client.state().resource(GPU).registrations == 1
+
+
+def test_preferred_allocation_keeps_mig_devices_on_one_parent_gpu():
+    with Node("a100-mig") as node:
+        agent = node.agent("--mig-strategy", "mixed")
+        _wait_resources(agent, MIXED_A100)
+        parent = {i["uuid"]: g["index"] for g in A100["gpus"] for i in _instances(g)}
+        small = sorted(d.id for d in node.client.state().resource(
+            "nvidia.com/mig-1g.10gb").devices)  # 7 on GPU 0, 2 on GPU 1
+        channel = grpc.insecure_channel(f"unix:{node.kdir}/gpu-agent-mig-1g.10gb.sock")
+        stub = dp_grpc.DevicePluginStub(channel)
+
+        def prefer(size, must=()):
+            got = stub.GetPreferredAllocation(dp.PreferredAllocationRequest(container_requests=[
+                dp.ContainerPreferredAllocationRequest(available_deviceIDs=small,
+                                                       must_include_deviceIDs=list(must),
+                                                       allocation_size=size)]), timeout=10)
+            return [parent[i] for i in got.container_responses[0].deviceIDs]
+
+        assert prefer(3) == [0, 0, 0]  # the one parent that holds three
+        on_1 = [i for i in small if parent[i] == 1]
+        assert prefer(2, must=on_1[:1]) == [1, 1]  # its sibling on GPU 1, not one of GPU 0's
+        channel.close()

@@ -87,7 +87,29 @@ def preferred_allocation(resource: str, available: Sequence[str], must_include: 
     per_gpu = Counter(pos_of.values())
     if all(c == 1 for c in per_gpu.values()):
         return _whole_gpus(model, avail, must, size, pos_of, policy)
+    if any(known[i].gi is not None for i in avail):
+        # MIG devices (NVIDIA's plugin states no preference for them): all on one parent
+        # GPU when one can hold the request, else packed (fill the request's GPUs, then the
+        # best-linked next one)
+        return _one_parent(avail, must, size, pos_of, rank) or \
+            _replicas(model, avail, must, size, pos_of, rank, PACKED)
     return _replicas(model, avail, must, size, pos_of, rank, replica_policy)
+
+
+def _one_parent(avail: list[str], must: list[str], size: int, pos_of: dict[str, int],
+                rank: dict[str, int]) -> list[str] | None:
+    """`size` devices on one GPU: the GPU of the must-include devices, or the one with the
+    fewest available devices that still holds the request (bigger ones stay free); None when
+    no GPU can."""
+    on: dict[int, list[str]] = {}
+    for i in sorted(avail, key=lambda d: rank[d]):
+        on.setdefault(pos_of[i], []).append(i)
+    homes = {pos_of[i] for i in must}
+    fits = [p for p, ids in on.items() if len(ids) >= size and (not homes or homes == {p})]
+    if not fits:
+        return None
+    p = min(fits, key=lambda q: (len(on[q]), q))
+    return list(must) + [i for i in on[p] if i not in must][:size - len(must)]
 
 
 def _whole_gpus(model: TopologyModel, avail: list[str], must: list[str], size: int,
