@@ -208,6 +208,7 @@ SCHEMA: dict = {
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,
         "journalSyncInterval": OPTION,
+        "migCheckInterval": OPTION,
         "allocationPolicy": OPTION,
         "replicaAllocationPolicy": OPTION,
         "health": {

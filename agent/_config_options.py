@@ -38,6 +38,7 @@ from agent.constants import (
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBELET_SOCKET,
+    DEFAULT_MIG_CHECK_INTERVAL_S,
     DEFAULT_MIG_STRATEGY,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_RECONCILE_INTERVAL_S,
@@ -162,6 +163,12 @@ OPTIONS: tuple[Option, ...] = (
         "how often the allocation journal is fdatasynced in the background (records are "
         "written before Allocate answers, so an agent crash loses none); 0: sync before every "
         "Allocate answers",
+    ),
+    Option(
+        "mig_check_interval", "--mig-check-interval", "GPU_AGENT_MIG_CHECK_INTERVAL",
+        "agent.migCheckInterval", IntervalKind(), DEFAULT_MIG_CHECK_INTERVAL_S,
+        "how often the MIG layout is read to find instances created or destroyed (under "
+        "migStrategy single or mixed); 0: only at start and on SIGHUP",
     ),
     Option(
         "allocation_policy", "--allocation-policy", "GPU_AGENT_ALLOCATION_POLICY",

@@ -64,6 +64,9 @@ DEFAULT_RECONCILE_INTERVAL_S = 60.0
 # bounds what a power loss can take (a node that then reboots re-runs every Allocate anyway),
 # as InnoDB's innodb_flush_log_at_trx_commit=2 does; why it is safe: docs/state.md.
 DEFAULT_JOURNAL_SYNC_INTERVAL_S = 1.0
+# How often a changed MIG layout is looked for under migStrategy single / mixed (NVML has no
+# event for it): a few NVML calls per MIG-capable GPU; the idle-CPU bench measures the cost.
+DEFAULT_MIG_CHECK_INTERVAL_S = 5.0
 # A GPU withdrawn for a reset-class error stays free of critical events this long to return.
 DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
 # Create the missing /dev/char links of the NVIDIA device nodes (agent.devchar; why: docs).

@@ -101,7 +101,7 @@ class Daemon:
             sync_interval=cfg.journal_sync_interval, connect=PodResourcesClient,
             devices=self.resources.advertised, environ=self.environ)
         self.state.start()
-        self.resources.set_journal(self.state.record_allocation)
+        self.resources.set_journal(self.state.record_allocation, self.state.journal.records)
 
     def _bring_up(self, first: bool = False) -> None:
         """NVML and discovery, then advertise; on failure exit (failOnInitError true, at
@@ -153,11 +153,6 @@ class Daemon:
         if old is not None:
             old.stop(wait=False)
 
-    def _stop_health(self) -> None:
-        if self.health is not None:
-            self.health.stop()
-            self.health = None
-
     # -- the loop ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -170,7 +165,8 @@ class Daemon:
         self._publish()
         while not self.stop_requested:
             now = time.monotonic()
-            due = [t for t in (self.nvml.retry_at, self._watchdog_at) if t is not None]
+            due = [t for t in (self.nvml.retry_at, self._watchdog_at,
+                               self.resources.mig_watch.due) if t is not None]
             timeout = min([LOOP_TICK_S] + [max(0.0, t - now) for t in due])
             self._on_signals(self._waiter.wait(timeout))
             if self.stop_requested:
@@ -182,7 +178,17 @@ class Daemon:
             if self.nvml.retry_at is not None and now >= self.nvml.retry_at:
                 self.nvml.retry_at = None
                 self._bring_up()
+            elif self.nvml.up and self.resources.mig_watch.changed(self.resources.gpus, now):
+                self._remig()
             self._publish()
+
+    def _remig(self) -> None:
+        """A MIG layout changed under the running agent: advertise it as a SIGHUP would."""
+        try:
+            self._advertise(self.nvml.rediscover(self.resources.gpus), restart_health=False)
+        except MigLayoutError as exc:
+            self.last_error = f"MIG layout refused: {exc}"
+            log.error("the new MIG layout is refused, keeping the advertised one: %s", exc)
 
     def _on_signals(self, signals: list[int]) -> None:
         for signum in signals:
@@ -254,7 +260,8 @@ class Daemon:
     def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping(status.summary(self))
-        self._stop_health()
+        if self.health is not None:
+            self.health.stop()
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets
         self.resources.close()

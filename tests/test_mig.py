@@ -106,6 +106,7 @@ def test_mixed_allocate_hands_out_mig_uuids_or_gpu_colon_mig_indexes():
         ids = list(alloc.device_ids)
         assert all(i.startswith("MIG-") for i in ids)
         assert alloc.container_response.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(ids)
+        agent.wait_log(f"allocated to a container: {ids[0]} (MIG ")
         agent.stop()
 
         by_uuid = {i["uuid"]: (g["index"], k) for g in A100["gpus"]
@@ -240,3 +241,71 @@ def test_preferred_allocation_keeps_mig_devices_on_one_parent_gpu():
         on_1 = [i for i in small if parent[i] == 1]
         assert prefer(2, must=on_1[:1]) == [1, 1]  # its sibling on GPU 1, not one of GPU 0's
         channel.close()
+
+
+# -- a layout changed under the running agent (agent/rm/migwatch.py; the simulator's `mig`
+# control records, agent/sim/mig.py) ---------------------------------------------------------
+
+
+def test_a_layout_changed_while_the_agent_runs_reaches_kubelet_without_a_restart():
+    from agent.sim import mig as sim_mig
+
+    with Node("a100-mig") as node:
+        agent = node.agent("--mig-strategy", "mixed", "--mig-check-interval", "0.5s")
+        _wait_resources(agent, MIXED_A100)
+        pid, since = agent.pid, __import__("time").monotonic_ns()
+        # GPU 5 (2x 3g.40gb) becomes 7x 1g.10gb; GPU 4 keeps its 4g.40gb + 3g.40gb
+        sim_mig.set_layout(node.ctl, 5, {"1g.10gb": 7}, profile=node.profile)
+        want = {**MIXED_A100, "nvidia.com/mig-1g.10gb": 9 + 7, "nvidia.com/mig-3g.40gb": 2}
+        agent.wait_for(lambda s: {r.name: len(r.devices) for r in s.resources.values()
+                                  if r.devices} == want, "the new layout in kubelet")
+        assert agent.pid == pid and agent.alive()
+        assert "MIG layout changed: GPU " in agent.log
+        for name in MIXED_A100:  # resources that stayed were never taken away
+            assert node.client.zero_windows(name, since) == [], name
+            assert node.client.state().resource(name).registrations == 1, name
+        # the instances on GPU 5 can be allocated
+        got = node.client.admit_pod("p", {"main": {"nvidia.com/mig-1g.10gb": 9 + 7}})
+        assert len(got.container("main").allocation("nvidia.com/mig-1g.10gb").device_ids) == 16
+
+
+def test_an_instance_destroyed_while_a_pod_holds_it_is_reported():
+    from agent.sim import mig as sim_mig
+
+    with Node("a100-mig") as node:
+        agent = node.agent("--mig-strategy", "mixed", "--mig-check-interval", "0.5s",
+                           "--reconcile-interval", "0.2s")
+        _wait_resources(agent, MIXED_A100)
+        held = node.client.admit_pod("p", {"main": {"nvidia.com/mig-7g.80gb": 1}}) \
+            .container("main").allocation("nvidia.com/mig-7g.80gb").device_ids[0]
+        node.status_when(lambda doc: (doc.get("state") or {}).get("attributed") == 1,
+                         "the allocation matched to pod p")
+        sim_mig.destroy(node.ctl, held)
+        text = node.status_with("was destroyed while pod")
+        assert held in text and "default/p" in text
+        assert f"MIG device {held}" in agent.log and "delete the pod" in agent.log
+        doc = node.status_when(lambda d: held in " ".join(d.get("migGoneInUse", [])),
+                               "the destroyed device in status.json")
+        assert "nvidia.com/mig-7g.80gb" not in {r["name"] for r in doc["resources"]}
+
+
+def test_sim_mig_apply_reads_a_mig_parted_config_and_refuses_what_does_not_fit(tmp_path):
+    from agent.errors import SimError
+    from agent.sim import mig as sim_mig
+
+    text = ("version: v1\nmig-configs:\n  all-1g:\n    - devices: all\n      mig-enabled: true\n"
+            "      mig-devices:\n        \"1g.10gb\": 7\n  two:\n    - devices: [0, 1]\n"
+            "      mig-enabled: false\n    - devices: [2]\n      mig-enabled: true\n"
+            "      mig-devices: {\"3g.40gb\": 2}\n")
+    assert sim_mig.layouts_from_mig_parted(text, "all-1g", 3) == {i: {"1g.10gb": 7}
+                                                                 for i in range(3)}
+    assert sim_mig.layouts_from_mig_parted(text, "two", 3) == {0: None, 1: None,
+                                                              2: {"3g.40gb": 2}}
+    with pytest.raises(SimError, match="several mig-configs"):
+        sim_mig.layouts_from_mig_parted(text, None, 3)
+    with pytest.raises(SimError, match="needs 8 slices"):
+        sim_mig.check_layout(A100, 0, {"1g.10gb": 5, "3g.40gb": 1})
+    with pytest.raises(SimError, match="no MIG profile '9g.90gb'"):
+        sim_mig.check_layout(A100, 0, {"9g.90gb": 1})
+    with pytest.raises(SimError, match="not MIG capable"):
+        sim_mig.check_layout(load_profile("dgx1-v100"), 0, {"1g.10gb": 1})

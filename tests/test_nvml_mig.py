@@ -59,3 +59,51 @@ def test_read_mig_devices_of_a100_mig_match_the_profiles_the_driver_lists(node):
 def test_gpus_without_mig_have_no_mig_devices(node):
     node("dgx1-v100")
     assert mig.read_mig_devices(discovery.discover()) == []
+
+
+def test_sim_mig_records_change_the_layout_every_reader_sees(node, sim_control):
+    from agent.sim import mig as sim_mig
+
+    node("a100-mig")
+    gpus = discovery.discover()
+    before = {d.uuid: d for d in mig.read_mig_devices(gpus) if d.parent.index == 5}
+    assert sorted(d.profile for d in before.values()) == ["3g.40gb", "3g.40gb"]
+    shape = mig.layout(gpus)
+    sim_mig.create(sim_control, 5, "1g.10gb", profile="a100-mig")  # 6 of 7 slices used
+    sim_mig.create(sim_control, 5, "1g.10gb", profile="a100-mig")  # no room: nothing made
+    after = [d for d in mig.read_mig_devices(gpus) if d.parent.index == 5]
+    assert [d.profile for d in after] == ["3g.40gb", "3g.40gb", "1g.10gb"]
+    assert {d.uuid for d in after[:2]} == set(before)  # the instances there keep their UUIDs
+    new = after[2]
+    assert new.uuid.startswith("MIG-") and new.gi not in {d.gi for d in before.values()}
+    assert mig.layout(gpus) != shape
+    sim_mig.destroy(sim_control, new.uuid)
+    assert mig.layout(gpus) == shape
+    sim_mig.set_layout(sim_control, 5, None, profile="a100-mig")  # MIG off
+    assert [g.mig_enabled for g in discovery.discover() if g.index == 5] == [False]
+    sim_mig.set_layout(sim_control, 5, {"2g.20gb": 3}, profile="a100-mig")
+    assert [d.profile for d in mig.read_mig_devices(discovery.discover())
+            if d.parent.index == 5] == ["2g.20gb"] * 3
+
+
+def test_gpu_agent_sim_mig_apply_takes_a_mig_parted_file(node, sim_control, tmp_path):
+    from tests.conftest import run_gpu_agent
+
+    node("a100-mig")
+    config = tmp_path / "mig.yaml"
+    config.write_text("version: v1\nmig-configs:\n  small:\n    - devices: [4, 5]\n"
+                      "      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n"
+                      "    - devices: [0]\n      mig-enabled: false\n")
+    out = run_gpu_agent("sim", "mig", "apply", str(config), "--control-dir", str(sim_control),
+                        "--profile", "a100-mig")
+    assert out.stdout.splitlines() == ["mig gpu=0 mode=disabled", "mig gpu=4 layout=1g.10gb:7",
+                                       "mig gpu=5 layout=1g.10gb:7"]
+    found = mig.read_mig_devices(discovery.discover())
+    assert [d.profile for d in found if d.parent.index in (4, 5)] == ["1g.10gb"] * 14
+    assert not [d for d in found if d.parent.index == 0]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nmig-configs:\n  big:\n    - devices: all\n"
+                   "      mig-enabled: true\n      mig-devices: {\"7g.80gb\": 2}\n")
+    out = run_gpu_agent("sim", "mig", "apply", str(bad), "--control-dir", str(sim_control),
+                        "--profile", "a100-mig", check=False)
+    assert out.returncode == 2 and "GPU 0: the layout {'7g.80gb': 2} needs 14 slices" in out.stderr

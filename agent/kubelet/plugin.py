@@ -79,8 +79,13 @@ class _Gpus:
         self.by_id, self.ids = by_id, ids
 
     def __str__(self) -> str:
-        return ", ".join(f"{self.by_id[i].gpu_uuid} (GPU {self.by_id[i].gpu_index})"
-                         for i in self.ids)
+        return ", ".join(_device_text(self.by_id[i]) for i in self.ids)
+
+
+def _device_text(d) -> str:
+    if d.gi is None:
+        return f"{d.gpu_uuid} (GPU {d.gpu_index})"
+    return f"{d.id} (MIG {d.index} on GPU {d.gpu_index} {d.gpu_uuid})"
 
 
 class _DevicePlugin(dp_grpc.DevicePluginServicer):

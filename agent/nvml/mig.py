@@ -140,3 +140,31 @@ def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
                 memory_mb=int(attrs.memorySizeMB), gi_slices=int(gi_slices),
                 ci_slices=int(ci_slices), multiprocessors=int(attrs.multiprocessorCount)))
     return out
+
+
+def layout(gpus: Iterable[Gpu]) -> tuple:
+    """What a MIG reconfiguration changes, cheaply read: per MIG-capable GPU its current and
+    pending MIG mode and its MIG devices' UUIDs (a few NVML calls per GPU, no profile tables).
+    Two reads are equal exactly when no instance was created or destroyed and no mode
+    changed. NvmlError when NVML cannot say."""
+    out = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
+        try:
+            current, pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
+        except NvmlError as exc:
+            if exc.is_not_supported:
+                continue
+            raise
+        uuids = []
+        if current:
+            for j in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
+                try:
+                    mig = _call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, j)
+                except NvmlError as exc:
+                    if exc.name in ("NOT_FOUND", "INVALID_ARGUMENT"):
+                        continue
+                    raise
+                uuids.append(_text(_call(pynvml.nvmlDeviceGetUUID, mig)))
+        out.append((gpu.uuid, int(current), int(pending), tuple(uuids)))
+    return tuple(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from agent.nvml import discovery, mig
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
+from agent.rm.migwatch import MigWatch, gone_in_use
 from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
@@ -59,13 +61,16 @@ class Resources:
 
     def __init__(self) -> None:
         self._journal: Callable | None = None
+        self._records: Callable[[], Sequence] = tuple  # the journal's records, once loaded
         self._journal_set = threading.Event()
+        self.mig_watch = MigWatch()
+        self.gone_in_use: list[str] = []  # MIG devices destroyed while a container holds them
         self.managers: dict[str, ResourceManager] = {}
         self.gpus: list[discovery.Gpu] = []
         self.topology: TopologyModel | None = None
 
-    def set_journal(self, journal: Callable) -> None:
-        self._journal = journal
+    def set_journal(self, journal: Callable, records: Callable[[], Sequence]) -> None:
+        self._journal, self._records = journal, records
         self._journal_set.set()
 
     def _record(self, resource: str, allocations: list) -> object:
@@ -92,6 +97,7 @@ class Resources:
         is replaced as a whole, so readers on other threads see the old or the new one.
         MigLayoutError (nothing changed) for a MIG layout the strategy refuses."""
         device_map = self.device_map(gpus, cfg)
+        before = self.devices
         self.gpus = list(gpus)
         options, topology = response_options(cfg), self._topology()
         policies = {"allocation_policy": cfg.allocation_policy,
@@ -115,6 +121,10 @@ class Resources:
                                f"MIG {d.index} {d.id}" for d in m.devices))
         for name in removed:
             log.info("resource %s: no longer advertised", name)
+        self.gone_in_use = gone_in_use(before, self.devices, self._records())
+        for line in self.gone_in_use:
+            log.error("%s: its processes lost the GPU; delete the pod", line)
+        self.mig_watch.reset(cfg, self.gpus, time.monotonic())
         return added, removed
 
     def _topology(self) -> TopologyModel:

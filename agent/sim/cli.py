@@ -24,7 +24,7 @@ def add_sim_commands(sub: argparse._SubParsersAction) -> None:
     p = simsub.add_parser("lib-path", help="print the path of the simulated libnvidia-ml.so.1")
     p.set_defaults(func=_cmd_lib_path)
 
-    from agent.sim import control, driver_tree, kubelet, profile
+    from agent.sim import control, driver_tree, kubelet, mig, profile
 
-    for module in (profile, control, kubelet, driver_tree):
+    for module in (profile, control, mig, kubelet, driver_tree):
         module.add_cli(simsub)

@@ -13,8 +13,12 @@
  *   ecc gpu=<...> type=sbe|dbe
  *   lose gpu=<...>
  *   restore gpu=<...>
- * At the 0->1 nvmlInit the whole log is replayed for state only (lost, ECC counts); events
- * are queued only for records appended after that init.
+ *   mig gpu=<index|GPU-uuid> mode=enabled|disabled
+ *   mig gpu=<index|GPU-uuid> layout=<profile>:<count>[,<profile>:<count>...]
+ *   mig gpu=<index|GPU-uuid> create=<profile>
+ *   mig gpu=<MIG-uuid> destroy=1
+ * At the 0->1 nvmlInit the whole log is replayed for state only (lost, ECC counts, MIG
+ * layouts); events are queued only for records appended after that init.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -168,6 +172,165 @@ static int parse_u64(const char *s, unsigned long long *out)
     return 0;
 }
 
+/* ---- run-time MIG layouts ---- */
+
+static int profile_by_name(const sim_gpu *g, const char *name, size_t len)
+{
+    for (int p = 0; p < g->nprofiles; p++)
+        if (strlen(g->profiles[p].name) == len && strncmp(g->profiles[p].name, name, len) == 0)
+            return p;
+    return -1;
+}
+
+static unsigned int used_slices(const sim_gpu *g, const sim_mig *migs, int n)
+{
+    unsigned int used = 0;
+    for (int i = 0; i < n; i++)
+        used += g->profiles[migs[i].profile].slices;
+    return used;
+}
+
+/* The GPU's slices: those of its largest GPU instance profile (7 on A100 and H100). */
+static unsigned int all_slices(const sim_gpu *g)
+{
+    unsigned int most = 0;
+    for (int p = 0; p < g->nprofiles; p++)
+        if (g->profiles[p].slices > most)
+            most = g->profiles[p].slices;
+    return most;
+}
+
+/* A new instance of profile `p` on GPU `gpu`: the lowest free GPU instance ID, compute
+ * instance 0, and a UUID derived from the GPU's UUID, the GI ID and a per-GPU counter (the
+ * same in every process that replays the log). */
+static void new_instance(sim_gpu *g, sim_mig *migs, int n, int p)
+{
+    unsigned int gi = 1;
+    for (int again = 1; again;) {
+        again = 0;
+        for (int i = 0; i < n; i++)
+            if (migs[i].gi == gi) {
+                gi++;
+                again = 1;
+            }
+    }
+    unsigned long long h = 1469598103934665603ULL; /* FNV-1a of uuid, gi and the counter */
+    char key[SIM_LEN_NAME + 32];
+    snprintf(key, sizeof key, "%s/%u/%u", g->uuid, gi, g->mig_made++);
+    for (const char *c = key; *c; c++)
+        h = (h ^ (unsigned char)*c) * 1099511628211ULL;
+    sim_mig *m = &migs[n];
+    memset(m, 0, sizeof *m);
+    m->gi = gi;
+    m->ci = 0;
+    m->profile = p;
+    snprintf(m->uuid, sizeof m->uuid, "MIG-%08x-%04x-5%03x-8%03x-%012llx",
+             (unsigned int)(h >> 32), (unsigned int)(h >> 16) & 0xffffu,
+             (unsigned int)(h >> 4) & 0xfffu, (unsigned int)h & 0xfffu,
+             (h * 31ULL) & 0xffffffffffffULL);
+}
+
+/* Install `migs` as GPU `gpu`'s MIG devices (handles follow their new positions). */
+static void set_instances(sim_gpu *g, int gpu, const sim_mig *migs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        g->migs[i] = migs[i];
+        g->migs[i].h.magic = SIM_MAGIC_DEVICE;
+        g->migs[i].h.gpu = gpu;
+        g->migs[i].h.mig = i;
+    }
+    for (int i = n; i < g->nmig; i++)
+        g->migs[i].h.magic = 0;
+    g->nmig = n;
+}
+
+/* `layout`: "<profile>:<count>,...". Instances of a profile already there are kept (their
+ * UUIDs and IDs too), in their order; the rest are made. A layout that does not fit the GPU
+ * (unknown profile, more devices or slices than it has) changes nothing. */
+static void apply_layout(sim_gpu *g, int gpu, const char *layout)
+{
+    sim_mig next[SIM_MAX_MIG];
+    int n = 0, taken[SIM_MAX_MIG] = {0};
+    const char *s = layout;
+    while (*s) {
+        const char *colon = strchr(s, ':');
+        if (!colon)
+            return;
+        int p = profile_by_name(g, s, (size_t)(colon - s));
+        char *end;
+        long count = strtol(colon + 1, &end, 10);
+        if (p < 0 || count < 0 || (*end && *end != ','))
+            return;
+        for (long k = 0; k < count; k++) {
+            if (n >= SIM_MAX_MIG || (unsigned int)n >= g->mig_max)
+                return;
+            int reuse = -1;
+            for (int i = 0; i < g->nmig && reuse < 0; i++)
+                if (!taken[i] && g->migs[i].profile == p)
+                    reuse = i;
+            if (reuse >= 0) {
+                taken[reuse] = 1;
+                next[n++] = g->migs[reuse];
+            } else {
+                next[n] = (sim_mig){0};
+                n++;
+            }
+            next[n - 1].profile = p;
+        }
+        s = *end ? end + 1 : end;
+    }
+    /* new instances get their IDs once the kept ones are known */
+    sim_mig built[SIM_MAX_MIG];
+    int nb = 0;
+    for (int i = 0; i < n; i++)
+        if (next[i].uuid[0])
+            built[nb++] = next[i];
+    for (int i = 0; i < n; i++)
+        if (!next[i].uuid[0]) {
+            new_instance(g, built, nb, next[i].profile);
+            nb++;
+        }
+    if (used_slices(g, built, nb) > all_slices(g))
+        return;
+    g->mig_mode = g->mig_pending = 1;
+    set_instances(g, gpu, built, nb);
+}
+
+static void apply_mig(sim_gpu *g, int gpu, int mig, char *const *keys, char *const *vals, int n)
+{
+    const char *mode = field(keys, vals, n, "mode");
+    const char *layout = field(keys, vals, n, "layout");
+    const char *create = field(keys, vals, n, "create");
+    if (!g->mig_capable)
+        return;
+    if (mig >= 0 && field(keys, vals, n, "destroy")) {
+        sim_mig rest[SIM_MAX_MIG];
+        int nr = 0;
+        for (int i = 0; i < g->nmig; i++)
+            if (i != mig)
+                rest[nr++] = g->migs[i];
+        set_instances(g, gpu, rest, nr);
+    } else if (mig >= 0) {
+        return;
+    } else if (mode && strcmp(mode, "disabled") == 0) {
+        g->mig_mode = g->mig_pending = 0;
+        set_instances(g, gpu, NULL, 0);
+    } else if (mode && strcmp(mode, "enabled") == 0) {
+        g->mig_mode = g->mig_pending = 1;
+    } else if (layout) {
+        apply_layout(g, gpu, layout);
+    } else if (create && g->mig_mode) {
+        int p = profile_by_name(g, create, strlen(create));
+        if (p < 0 || (unsigned int)g->nmig >= g->mig_max || g->nmig >= SIM_MAX_MIG ||
+            used_slices(g, g->migs, g->nmig) + g->profiles[p].slices > all_slices(g))
+            return;
+        sim_mig all[SIM_MAX_MIG];
+        memcpy(all, g->migs, sizeof(sim_mig) * (size_t)g->nmig);
+        new_instance(g, all, g->nmig, p);
+        set_instances(g, gpu, all, g->nmig + 1);
+    }
+}
+
 static void apply_record(char *line, int replay)
 {
     char *keys[8], *vals[8];
@@ -240,6 +403,8 @@ static void apply_record(char *line, int replay)
         deliver(&e, ~0ULL);
     } else if (strcmp(op, "restore") == 0) {
         g->lost = 0;
+    } else if (strcmp(op, "mig") == 0) {
+        apply_mig(g, gpu, mig, keys, vals, n);
     }
 }
 

@@ -268,6 +268,7 @@ typedef struct {
     sim_mig_profile profiles[SIM_MAX_MIG_PROFILES];
     int nmig;
     sim_mig migs[SIM_MAX_MIG];
+    unsigned int mig_made; /* instances made by `mig` control records (their UUIDs' seed) */
     int topo[SIM_MAX_GPUS]; /* common-ancestor level to each GPU */
     /* run-time state */
     int lost;
