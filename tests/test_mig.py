@@ -309,3 +309,83 @@ def test_sim_mig_apply_reads_a_mig_parted_config_and_refuses_what_does_not_fit(t
         sim_mig.check_layout(A100, 0, {"9g.90gb": 1})
     with pytest.raises(SimError, match="not MIG capable"):
         sim_mig.check_layout(load_profile("dgx1-v100"), 0, {"1g.10gb": 1})
+
+
+# -- the H100 80GB and A30 profiles: names go-nvlib gives, NVIDIA's rules per strategy -------
+
+H100 = load_profile("h100-mig")
+# h100-mig under mixed with a pattern for the split 3g.40gb GPU instance of GPU 3 (its
+# 1c.3g.40gb and 2c.3g.40gb compute instances have no default name: [DEFAULTS]); GPUs 2 and 7
+# stay whole ([GPUMAP]); "+" is written "." in a name ([DEFAULTS]).
+MIXED_H100 = {
+    GPU: 2,
+    "nvidia.com/mig-1g.10gb": 7 + 2,  # GPU 0: 7; GPU 1: 2
+    "nvidia.com/mig-1g.10gb.me": 1,  # GPU 6
+    "nvidia.com/mig-1g.20gb": 4,  # GPU 4
+    "nvidia.com/mig-2g.20gb": 1,  # GPU 1
+    "nvidia.com/mig-3g.40gb": 1 + 2,  # GPU 1; GPU 6
+    "nvidia.com/mig-4g.40gb": 1,  # GPU 3
+    "nvidia.com/mig-7g.80gb": 1,  # GPU 5
+    "nvidia.com/mig-3g.40gb-split": 2,  # GPU 3: 1c.3g.40gb, 2c.3g.40gb ([MIGMAP] pattern)
+}
+MIXED_A30 = {
+    "nvidia.com/mig-1g.6gb": 4 + 1,  # GPU 0: 4; GPU 3: 1
+    "nvidia.com/mig-1g.6gb.me": 1,  # GPU 3
+    "nvidia.com/mig-2g.12gb": 2 + 1,  # GPU 1: 2; GPU 3: 1
+    "nvidia.com/mig-4g.24gb": 1,  # GPU 2
+}
+
+
+def test_h100_mixed_refuses_compute_instances_smaller_than_their_gpu_instance_by_default():
+    with Node("h100-mig") as node:
+        agent = node.agent("--mig-strategy", "mixed")
+        assert agent.wait_exit() == 1  # [DEFAULTS] gives 1c.3g.40gb no name, [MIGMAP], [EXIT]
+        assert "MIG profile '1c.3g.40gb' does not match any resource patterns" in agent.log
+
+
+def test_h100_mixed_with_a_pattern_for_the_split_instance():
+    with Node("h100-mig") as node:
+        config = node.write("config.yaml", "version: v1\nresources:\n  mig:\n"
+                                           "    - pattern: '*c.3g.40gb'\n"
+                                           "      name: mig-3g.40gb-split\n")
+        agent = node.agent("--mig-strategy", "mixed", "--config", config)
+        _wait_resources(agent, MIXED_H100)
+        assert _counts(node) == MIXED_H100
+        split = {d.id for d in node.client.state().resource(
+            "nvidia.com/mig-3g.40gb-split").devices}
+        assert split == {i["uuid"] for i in _instances(H100["gpus"][3])
+                         if i.get("compute_slices")}
+
+
+@pytest.mark.parametrize("profile, strategy, expected", [
+    ("h100-mig", "none", {GPU: 8}),
+    ("a30-mig", "none", {GPU: 4}),
+    ("a30-mig", "mixed", MIXED_A30),
+])
+def test_h100_and_a30_resources_per_strategy(profile, strategy, expected):
+    with Node(profile) as node:
+        agent = node.agent("--mig-strategy", strategy)
+        _wait_resources(agent, expected)
+        assert _counts(node) == expected
+
+
+@pytest.mark.parametrize("profile", ["h100-mig", "a30-mig"])
+def test_h100_and_a30_single_refuse_several_mig_device_types(profile):
+    with Node(profile) as node:
+        agent = node.agent("--mig-strategy", "single")
+        assert agent.wait_exit() == 1
+        assert "more than one MIG device type present on node" in agent.log  # [VALID]
+
+
+def test_a30_single_on_a_uniform_layout_and_index_ids():
+    from agent.sim import mig as sim_mig
+
+    with Node("a30-mig") as node:
+        for gpu in range(4):
+            sim_mig.set_layout(node.ctl, gpu, {"2g.12gb": 2}, profile="a30-mig")
+        agent = node.agent("--mig-strategy", "single", "--device-id-strategy", "index")
+        res = agent.wait_registered()
+        assert len(res.devices) == 8  # 4 GPUs x 2 MIG devices as nvidia.com/gpu
+        got = node.client.admit_pod("p", {"main": {GPU: 2}}).container("main").allocation(GPU)
+        visible = got.container_response.envs["NVIDIA_VISIBLE_DEVICES"].split(",")
+        assert len(visible) == 2 and all(v.count(":") == 1 for v in visible)  # [IDS] i:j

@@ -193,7 +193,11 @@ def check_mig(h, g: dict) -> None:
         mh = N.nvmlDeviceGetMigDeviceHandleByIndex(h, k)
         assert N.nvmlDeviceIsMigDeviceHandle(mh).value == 1
         assert N.nvmlDeviceGetUUID(mh) == inst["uuid"]
-        assert N.nvmlDeviceGetName(mh) == f"{g['name']} MIG {p['name']}"
+        # a compute instance smaller than its GPU instance is named as NVML names it:
+        # "<c>c.<GPU instance profile>", with its share of the multiprocessors
+        ci = inst.get("compute_slices", p["slices"])
+        prefix = f"{ci}c." if ci < p["slices"] else ""
+        assert N.nvmlDeviceGetName(mh) == f"{g['name']} MIG {prefix}{p['name']}"
         assert N.nvmlDeviceGetGpuInstanceId(mh) == inst["gi"]
         assert N.nvmlDeviceGetComputeInstanceId(mh) == inst["ci"]
         parent = N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mh)
@@ -201,7 +205,7 @@ def check_mig(h, g: dict) -> None:
         attrs = N.nvmlDeviceGetAttributes_v2(mh)
         assert (attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount,
                 attrs.multiprocessorCount, attrs.memorySizeMB, attrs.sharedCopyEngineCount,
-                attrs.sharedDecoderCount) == (p["slices"], p["slices"], p["multiprocessors"],
+                attrs.sharedDecoderCount) == (p["slices"], ci, p["multiprocessors"] * ci // p["slices"],
                                               p["memory_mb"], p["copy_engines"], p["decoders"])
         mem = N.nvmlDeviceGetMemoryInfo(mh)
         assert (mem.total, mem.used) == (p["memory_mb"] * 2**20, 0)

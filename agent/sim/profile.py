@@ -405,7 +405,7 @@ def _validate_mig(v: _V, mig: dict, path: str) -> dict:
         q = f"{path}.instances[{i}]"
         if not isinstance(inst, dict):
             v.fail(q, f"expected a mapping, found {v.kind(inst)}")
-        v.keys(inst, q, ("gi", "ci", "profile", "uuid"))
+        v.keys(inst, q, ("gi", "ci", "profile", "uuid", "compute_slices"))
         gi = v.integer(inst, q, "gi", 0, U32 - 1)
         ci = v.integer(inst, q, "ci", 0, U32 - 1)
         if (gi, ci) in pairs:
@@ -417,6 +417,9 @@ def _validate_mig(v: _V, mig: dict, path: str) -> dict:
         uid = v.string(inst, q, "uuid", LEN_NAME)
         if not uid.startswith("MIG-"):
             v.fail(v.join(q, "uuid"), "must start with 'MIG-'")
+        if "compute_slices" in inst:  # a compute instance smaller than its GPU instance
+            slices = next(p["slices"] for p in out["profiles"] if p["nvml_profile"] == prof)
+            v.integer(inst, q, "compute_slices", 1, slices)
         out["instances"].append(dict(inst))
     return out
 
@@ -710,6 +713,8 @@ def dump_profile(profile: dict[str, Any]) -> str:
                     o.append(f"          ci: {m['ci']}")
                     o.append(f"          profile: {m['profile']}")
                     o.append(f"          uuid: {_q(m['uuid'])}")
+                    if "compute_slices" in m:
+                        o.append(f"          compute_slices: {m['compute_slices']}")
     o.append("pcie_topology:")
     for i, row in enumerate(profile["pcie_topology"]):
         o.append(f"  - {_flow(row)}  # GPU{i}")
@@ -1203,12 +1208,15 @@ def _record_mig(pynvml: Any, i: int, h: Any) -> dict[str, Any] | None:
             log.warning("GPU%d MIG device %d (%s) matches no GPU instance profile; skipped",
                         i, k, name)
             continue
-        mig["instances"].append({
+        instance = {
             "gi": pynvml.nvmlDeviceGetGpuInstanceId(mh),
             "ci": pynvml.nvmlDeviceGetComputeInstanceId(mh),
             "profile": best["nvml_profile"],
             "uuid": _text(pynvml.nvmlDeviceGetUUID(mh)),
-        })
+        }
+        if attrs.computeInstanceSliceCount < attrs.gpuInstanceSliceCount:
+            instance["compute_slices"] = attrs.computeInstanceSliceCount  # 1c.3g.40gb
+        mig["instances"].append(instance)
     return mig
 
 

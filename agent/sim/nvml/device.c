@@ -163,8 +163,12 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsig
     ENTER(ANY_DEVICE, device, name != NULL);
     if (!m)
         DONE(sim_copy_string(name, length, g->name));
-    char buf[SIM_LEN_NAME + SIM_LEN_MIG_NAME + 8];
-    snprintf(buf, sizeof buf, "%s MIG %s", g->name, g->profiles[m->profile].name);
+    char buf[SIM_LEN_NAME + SIM_LEN_MIG_NAME + 16];
+    const sim_mig_profile *p = &g->profiles[m->profile];
+    if (m->ci_slices && m->ci_slices < p->slices) /* a compute instance smaller than its GI */
+        snprintf(buf, sizeof buf, "%s MIG %uc.%s", g->name, m->ci_slices, p->name);
+    else
+        snprintf(buf, sizeof buf, "%s MIG %s", g->name, p->name);
     DONE(sim_copy_string(name, length, buf));
 }
 
@@ -433,14 +437,15 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device,
     memset(attributes, 0, sizeof *attributes);
     if (m) {
         const sim_mig_profile *p = &g->profiles[m->profile];
-        attributes->multiprocessorCount = p->multiprocessors;
+        unsigned int cs = m->ci_slices && m->ci_slices < p->slices ? m->ci_slices : p->slices;
+        attributes->multiprocessorCount = p->slices ? p->multiprocessors * cs / p->slices : 0;
         attributes->sharedCopyEngineCount = p->copy_engines;
         attributes->sharedDecoderCount = p->decoders;
         attributes->sharedEncoderCount = p->encoders;
         attributes->sharedJpegCount = p->jpegs;
         attributes->sharedOfaCount = p->ofas;
         attributes->gpuInstanceSliceCount = p->slices;
-        attributes->computeInstanceSliceCount = p->slices;
+        attributes->computeInstanceSliceCount = cs;
         attributes->memorySizeMB = p->memory_mb;
         DONE(NVML_SUCCESS);
     }

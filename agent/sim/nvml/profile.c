@@ -305,7 +305,7 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
                                         "instance_count", "multiprocessors", "memory_mb",
                                         "copy_engines", "decoders", "encoders", "jpegs", "ofas",
                                         "p2p", NULL};
-    static const char *const ikeys[] = {"gi", "ci", "profile", "uuid", NULL};
+    static const char *const ikeys[] = {"gi", "ci", "profile", "uuid", "compute_slices", NULL};
     char p[256], q[256], mode[16];
     long long x;
     if (check_keys(v, mig, path, keys) < 0)
@@ -412,6 +412,15 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
         }
         if (get_str(v, in, q, "uuid", m->uuid, sizeof m->uuid, 1) <= 0)
             return -1;
+        if (get_int(v, in, q, "compute_slices", 0, g->profiles[m->profile].slices, &x, 0) < 0)
+            return -1;
+        m->ci_slices = yaml_get(in, "compute_slices") ? (unsigned int)x : 0;
+        if (yaml_get(in, "compute_slices") && x < 1) {
+            char pp[256];
+            join(pp, sizeof pp, q, "compute_slices");
+            vfail(v, pp, "must be at least 1");
+            return -1;
+        }
         if (strncmp(m->uuid, "MIG-", 4) != 0) {
             char pp[256];
             join(pp, sizeof pp, q, "uuid");

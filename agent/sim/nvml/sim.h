@@ -238,6 +238,7 @@ typedef struct {
     struct sim_handle h;
     unsigned int gi, ci;
     int profile; /* index into sim_gpu.profiles */
+    unsigned int ci_slices; /* the compute instance's slices; 0: the whole GPU instance */
     char uuid[SIM_LEN_NAME];
 } sim_mig;
 
