@@ -1,9 +1,11 @@
-"""Facts about the host the agent runs on that outlive the agent: today, the boot ID.
+"""Facts about the host the agent runs on: the boot ID, and the driver's MIG capability minors.
 
 Owns: reading the kernel's boot ID (a random UUID the kernel draws at every boot), which the
 health module uses to tell that a reboot-class error has been cleared and the state module
-uses to tell a checkpoint written before the last reboot. `GPU_AGENT_BOOT_ID_FILE` points it
-at another file (tests, or a host whose /proc is elsewhere). Must not import anything of
+uses to tell a checkpoint written before the last reboot; and the minor numbers of the
+/dev/nvidia-caps nodes that give a container access to a MIG GPU or compute instance.
+`GPU_AGENT_BOOT_ID_FILE` and `GPU_AGENT_MIG_MINORS_FILE` point them at other files (tests, or
+a host whose /proc is elsewhere). Must not import anything of
 `agent` but errors.
 """
 
@@ -35,3 +37,31 @@ def boot_id(environ: Mapping[str, str] | None = None) -> str:
     if not value:
         raise AgentError(f"the boot ID file {path} is empty")
     return value
+
+
+MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
+MIG_MINORS_ENV = "GPU_AGENT_MIG_MINORS_FILE"
+
+
+def mig_minors(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The driver's MIG capability minors by name ("config", "monitor", "gpu0/gi1/access",
+    "gpu0/gi1/ci0/access"; gpuN is the GPU's minor number), from
+    /proc/driver/nvidia-caps/mig-minors (or $GPU_AGENT_MIG_MINORS_FILE): the node is
+    /dev/nvidia-caps/nvidia-cap<minor>. {} when the file does not exist (a driver without MIG);
+    lines that are not "NAME MINOR" are skipped, as NVIDIA's plugin skips them
+    (k8s-device-plugin internal/mig/mig-dp.go GetMigCapabilityDevicePaths)."""
+    env = os.environ if environ is None else environ
+    path = env.get(MIG_MINORS_ENV) or MIG_MINORS_FILE
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise AgentError(f"cannot read the MIG capability minors from {path}: {exc}") from exc
+    out = {}
+    for line in lines:
+        name, _, minor = line.strip().rpartition(" ")
+        if name and minor.isdigit():
+            out[name] = int(minor)
+    return out

@@ -389,3 +389,74 @@ def test_a30_single_on_a_uniform_layout_and_index_ids():
         got = node.client.admit_pod("p", {"main": {GPU: 2}}).container("main").allocation(GPU)
         visible = got.container_response.envs["NVIDIA_VISIBLE_DEVICES"].split(",")
         assert len(visible) == 2 and all(v.count(":") == 1 for v in visible)  # [IDS] i:j
+
+
+def test_pass_device_specs_gives_the_parent_node_and_both_capability_nodes():
+    # NVIDIA: internal/rm/nvml_devices.go GetPaths (parent /dev/nvidia<minor>, then the GPU
+    # instance's and the compute instance's /dev/nvidia-caps node, their minors from
+    # /proc/driver/nvidia-caps/mig-minors as internal/mig/mig-dp.go reads it)
+    import os
+
+    from agent.sim import driver_tree
+
+    with Node("a100-mig") as node:
+        root = os.path.join(node.root, "host")
+        driver_tree.build(root, "a100-mig")
+        minors = os.path.join(root, "proc/driver/nvidia-caps/mig-minors")
+        agent = node.agent("--mig-strategy", "mixed", "--pass-device-specs", "--dev-root", root,
+                           env=node.env(GPU_AGENT_MIG_MINORS_FILE=minors))
+        _wait_resources(agent, MIXED_A100)
+        alloc = node.client.admit_pod("p", {"main": {"nvidia.com/mig-2g.20gb": 1}}) \
+            .container("main").allocation("nvidia.com/mig-2g.20gb")
+        inst = next(i for i in _instances(A100["gpus"][1]) if i["uuid"] == alloc.device_ids[0])
+        lines = dict(line.rsplit(" ", 1) for line in open(minors).read().splitlines())
+        gi_cap = lines[f"gpu1/gi{inst['gi']}/access"]
+        ci_cap = lines[f"gpu1/gi{inst['gi']}/ci{inst['ci']}/access"]
+        specs = [(d.container_path, d.host_path) for d in alloc.container_response.devices]
+        assert [c for c, _ in specs] == [
+            "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia1",
+            f"/dev/nvidia-caps/nvidia-cap{gi_cap}", f"/dev/nvidia-caps/nvidia-cap{ci_cap}"]
+        assert all(h == os.path.join(root, c.lstrip("/")) for c, h in specs)
+
+
+@pytest.mark.parametrize("id_strategy", ["uuid", "index"])
+def test_cdi_check_finds_mig_device_names_in_a_spec_written_as_the_toolkit_writes_them(
+        id_strategy):
+    # nvidia-ctk cdi generate names a MIG device "<GPU index>:<MIG index>" and by its UUID
+    # (the simulated driver tree writes the spec that way); a spec without them is reported
+    import os
+
+    from agent.sim import driver_tree
+
+    with Node("a100-mig") as node:
+        root = os.path.join(node.root, "host")
+        driver_tree.build(root, "a100-mig")
+        spec_dir = os.path.join(root, "etc/cdi")
+        args = ["--mig-strategy", "mixed", "--device-list-strategy", "cdi-cri",
+                "--device-id-strategy", id_strategy, "--cdi-spec-dirs", spec_dir]
+        agent = node.agent(*args)
+        _wait_resources(agent, MIXED_A100)
+        doc = node.status_when(lambda d: d.get("cdi") is not None, "the CDI check")
+        assert doc["cdi"]["ok"] and doc["cdi"]["wanted"] == sum(MIXED_A100.values())
+        alloc = node.client.admit_pod("p", {"main": {"nvidia.com/mig-3g.40gb": 1}}) \
+            .container("main").allocation("nvidia.com/mig-3g.40gb")
+        name = alloc.container_response.cdi_devices[0].name
+        assert name.startswith("nvidia.com/gpu=") and \
+            (":" in name if id_strategy == "index" else "=MIG-" in name)
+        agent.stop()
+
+        import yaml
+
+        path = os.path.join(spec_dir, "nvidia.yaml")
+        spec = yaml.safe_load(open(path).read())
+        mig_names = {d["name"] for d in spec["devices"]
+                     if ":" in d["name"] or d["name"].startswith("MIG-")}
+        assert len(mig_names) == 2 * 16  # index and UUID names of the 16 MIG devices
+        spec["devices"] = [d for d in spec["devices"] if d["name"] not in mig_names]
+        with open(path, "w") as f:
+            f.write(yaml.safe_dump(spec))
+        agent = node.agent(*args)
+        _wait_resources(agent, MIXED_A100)
+        doc = node.status_when(lambda d: d.get("cdi") is not None and d["cdi"]["missing"],
+                               "the CDI check's missing names")
+        assert len(doc["cdi"]["missing"]) == 16 and not doc["cdi"]["ok"]  # the MIG devices

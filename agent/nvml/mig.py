@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import pynvml
 
-from agent.errors import NvmlError
+from agent.errors import AgentError, NvmlError
+from agent.host import mig_minors
 from agent.nvml.discovery import Gpu, _call, _text
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class MigDevice(NamedTuple):
     gi_slices: int
     ci_slices: int
     multiprocessors: int
+    # the /dev/nvidia-caps nodes of its GPU and compute instance (NVIDIA's nvml_devices.go
+    # GetPaths), () when the driver's minors file does not list them
+    caps: tuple[str, ...] = ()
 
     @property
     def index_id(self) -> str:
@@ -111,13 +115,31 @@ def _suffix(profiles: list, gi_slices: int, memory_mb: int, device_name: str) ->
     return _GI_ATTRIBUTES.get(alike[0][0], "") if alike else ""
 
 
+def _caps(minors: dict[str, int], gpu: Gpu, gi: int, ci: int) -> tuple[str, ...]:
+    names = (f"gpu{gpu.minor}/gi{gi}/access", f"gpu{gpu.minor}/gi{gi}/ci{ci}/access")
+    if not all(n in minors for n in names):
+        if minors:  # a MIG-capable driver that does not list this instance
+            log.warning("GPU %d: no capability minors for GPU instance %d / compute instance "
+                        "%d in the driver's mig-minors: passDeviceSpecs gives its MIG device "
+                        "the GPU's node only", gpu.index, gi, ci)
+        return ()
+    return tuple(f"/dev/nvidia-caps/nvidia-cap{minors[n]}" for n in names)
+
+
 def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
     """The MIG devices of the MIG-enabled GPUs among `gpus`, by GPU index then handle index.
     NvmlError when NVML cannot say (a lost GPU included: the caller decides)."""
     out = []
+    minors: dict[str, int] | None = None
     for gpu in sorted(gpus, key=lambda g: g.index):
         if not gpu.mig_enabled:
             continue
+        if minors is None:
+            try:
+                minors = mig_minors()
+            except AgentError as exc:
+                log.warning("%s: MIG devices get no capability nodes", exc)
+                minors = {}
         handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
         profiles = _gi_profiles(handle)
         for j in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
@@ -131,10 +153,11 @@ def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
             name = _text(_call(pynvml.nvmlDeviceGetName, mig))
             gi_slices, ci_slices = attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount
             suffix = _suffix(profiles, gi_slices, attrs.memorySizeMB, name)
+            gi = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig)
+            ci = _call(pynvml.nvmlDeviceGetComputeInstanceId, mig)
             out.append(MigDevice(
                 parent=gpu, index=j, uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
-                gi=_call(pynvml.nvmlDeviceGetGpuInstanceId, mig),
-                ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig),
+                gi=gi, ci=ci, caps=_caps(minors, gpu, gi, ci),
                 profile=profile_name(ci_slices, gi_slices,
                                      memory_gb(gpu.memory_total, attrs.memorySizeMB), suffix),
                 memory_mb=int(attrs.memorySizeMB), gi_slices=int(gi_slices),

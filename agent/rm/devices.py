@@ -77,11 +77,11 @@ def resource_name_for(product: str, patterns: Sequence[Any]) -> str:
 
 
 def mig_device(m: MigDevice) -> Device:
-    """The advertised device of a MIG device: its UUID, NVIDIA's `i:j` index, the parent's
-    device node (internal/rm/nvml_devices.go GetPaths; the capability nodes come with
-    passDeviceSpecs, agent.rm.allocate) and its GPU / compute instance for health events."""
+    """The advertised device of a MIG device: its UUID, NVIDIA's `i:j` index, its device nodes
+    (the parent's and the GPU and compute instance capabilities', internal/rm/nvml_devices.go
+    GetPaths) and its GPU / compute instance for health events."""
     return Device(id=m.uuid, index=m.index_id, gpu_uuid=m.parent.uuid, gpu_index=m.parent.index,
-                  numa_node=m.parent.numa_node, paths=(f"/dev/nvidia{m.parent.minor}",),
+                  numa_node=m.parent.numa_node, paths=(f"/dev/nvidia{m.parent.minor}", *m.caps),
                   name=f"{m.parent.name} MIG {m.profile}", gi=m.gi, ci=m.ci)
 
 

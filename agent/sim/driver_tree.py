@@ -11,12 +11,14 @@ Owns: `build(root, ...)` and the `gpu-agent sim driver-tree DIR` command. The tr
   dynamic majors, here 508 and 509) are recorded in agent.doctor.devnodes.SIM_NODES_FILE,
   which the doctor reads for entries that are not character devices;
 - /dev/char/<major>:<minor> links to them (relative, as udev makes them), unless asked not to;
-- /proc/devices (the majors by driver name) and /proc/driver/nvidia/capabilities/mig/{config,
-  monitor} (the capability files giving the caps' minors), as the driver writes them;
+- /proc/devices (the majors by driver name), /proc/driver/nvidia/capabilities/mig/{config,
+  monitor} (the capability files giving the caps' minors) and /proc/driver/nvidia-caps/mig-minors
+  (every GPU instance 0-14 and compute instance 0-7 of every GPU minor, numbered as the driver
+  numbers them: config 1, monitor 2, then 9 per GPU instance), as the driver writes them;
 - /etc/containerd/config.toml, version 2 or 3, with or without the `nvidia` runtime and with
   enable_cdi true, false or unset; optionally /etc/crio/crio.conf.d/99-nvidia.conf;
 - /etc/cdi/nvidia.yaml: the CDI spec `nvidia-ctk cdi generate` would write (index and UUID
-  names per GPU, and `all`);
+  names per GPU and per MIG device of a MIG-enabled GPU, and `all`);
 - /usr/bin/nvidia-ctk and /usr/bin/nvidia-container-runtime: scripts that answer --version
   only; optionally /usr/bin/systemctl answering `is-active` with a given state.
 Must not create anything outside `root`.
@@ -119,6 +121,16 @@ def _cdi_spec(gpus: list[dict]) -> str:
         edits = {"deviceNodes": [{"path": f"/dev/nvidia{gpu['minor']}"}]}
         devices.append({"name": str(gpu["index"]), "containerEdits": edits})
         devices.append({"name": gpu["uuid"], "containerEdits": edits})
+    for gpu in gpus:  # MIG devices, as the toolkit names them: "<GPU index>:<MIG index>", UUID
+        mig = gpu.get("mig", {})
+        for k, inst in enumerate(mig.get("instances", []) if mig.get("mode") == "enabled"
+                                 else []):
+            base = 3 + gpu["minor"] * 135 + inst["gi"] * 9  # mig_minors_text's numbering
+            edits = {"deviceNodes": [{"path": f"/dev/nvidia{gpu['minor']}"},
+                                     {"path": f"/dev/nvidia-caps/nvidia-cap{base}"},
+                                     {"path": f"/dev/nvidia-caps/nvidia-cap{base + 1 + inst['ci']}"}]}
+            devices.append({"name": f"{gpu['index']}:{k}", "containerEdits": edits})
+            devices.append({"name": inst["uuid"], "containerEdits": edits})
     devices.append({"name": "all", "containerEdits": {"deviceNodes": [
         {"path": f"/dev/nvidia{g['minor']}"} for g in gpus]}})
     spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices,
@@ -127,6 +139,17 @@ def _cdi_spec(gpus: list[dict]) -> str:
                                                {"path": "/dev/nvidia-uvm-tools"}]}}
     return "# written by gpu-agent's simulated driver tree, as `nvidia-ctk cdi generate`\n" + \
         yaml.safe_dump(spec, sort_keys=False)
+
+
+def mig_minors_text(gpus: int) -> str:
+    """/proc/driver/nvidia-caps/mig-minors of a driver with `gpus` GPU minors."""
+    lines = ["config 1", "monitor 2"]
+    for gpu in range(gpus):
+        for gi in range(15):
+            base = 3 + gpu * 135 + gi * 9
+            lines.append(f"gpu{gpu}/gi{gi}/access {base}")
+            lines += [f"gpu{gpu}/gi{gi}/ci{ci}/access {base + 1 + ci}" for ci in range(8)]
+    return "\n".join(lines) + "\n"
 
 
 def build(root: str, profile: str | None = None, *, node_kind: str = "file",
@@ -173,6 +196,7 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
     for cap, minor, mode in (("config", 1, 256), ("monitor", 2, 292)):
         _write(tree.path(f"/proc/driver/nvidia/capabilities/mig/{cap}"),
                f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n")
+    _write(tree.path("/proc/driver/nvidia-caps/mig-minors"), mig_minors_text(len(gpus)))
     if containerd is not None:
         _write(tree.path("/etc/containerd/config.toml"),
                containerd_config(containerd, nvidia_runtime, default_runtime, enable_cdi))
