@@ -84,7 +84,7 @@ def _doctor(work: Path, tree, config_args: list[str], lib: str) -> int:
     argv = [sys.executable, "-m", "agent", "doctor", "--root", tree.root, *config_args]
     shown = " ".join(["gpu-agent", *argv[3:]]).replace(lib, "$(gpu-agent sim lib-path)") \
         .replace(str(work), "$W")
-    say("9. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
+    say("10. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
         f"  {shown}\n  (--root: the simulated driver tree, device nodes recorded with their "
         f"major:minor, /dev/char links, containerd config, toolkit stubs; the rest is the "
         f"agent's own configuration)")
@@ -271,9 +271,12 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                       res.allocatable,
                       f"GPUs {', '.join(str(by_uuid[d].index) for d in state.pod('trainer').devices(RESOURCE))}"]]))
 
+        from agent.demo_mig import run_mig_step
+
+        mig_code = run_mig_step(work, path, "9", table, say, _wait_state)
         doctor_code = _doctor(work, tree, config_args, path)
 
-        say("10. Clean stop")
+        say("11. Clean stop")
         agent.send_signal(signal.SIGTERM)
         agent_code = agent.wait(10)
         gone = not (dp_dir / "gpu-agent-gpu.sock").exists()
@@ -286,7 +289,8 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
         client.close()
         print(f"  simulated kubelet stopped (exit {code}); NVML shut down")
         library.shutdown()
-        return 0 if code == 0 and agent_code == 0 and gone and doctor_code == 0 else 1
+        ok = code == 0 and agent_code == 0 and gone and doctor_code == 0 and mig_code == 0
+        return 0 if ok else 1
     finally:
         if agent is not None:
             agent.kill()

@@ -53,7 +53,9 @@ def summary(d: Any) -> str:
     text = "; ".join(parts) or "no GPUs: advertising nothing"
     for problem in (d.state.problem if d.state is not None else "",
                     d.cdi.summary() if d.cdi is not None and not d.cdi.ok else "",
-                    "; ".join(d.resources.gone_in_use), d.last_error):
+                    "; ".join(d.resources.gone_in_use),
+                    "; ".join(f"GPU {g.index}: MIG mode change pending"
+                              for g in d.resources.gpus if g.mig_pending_note), d.last_error):
         if problem:
             text += f"; {problem}"
     return text
@@ -93,6 +95,7 @@ def document(d: Any) -> dict:
         "lastError": d.last_error,
         "resources": resources,
         "migGoneInUse": list(d.resources.gone_in_use),
+        "migPending": [g.mig_pending_note for g in d.resources.gpus if g.mig_pending_note],
         "state": d.state.status() if d.state is not None else None,
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
         "health": d.health.status() if d.health is not None else None,

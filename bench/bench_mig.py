@@ -17,7 +17,9 @@ Figures only; the tests assert behaviour, never time.
 from __future__ import annotations
 
 import os
+import random
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -25,12 +27,12 @@ import time
 from agent.sim import lib_path
 from agent.sim import mig as sim_mig
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import AGENT_COMMAND, Section, percentile, sim_node_env, summarize
+from bench import AGENT_COMMAND, Section, percentile, sim_node_env
 
 PROFILE = "h100-mig"
 READS = 50
 RECONFIGURATIONS = 10
-IDLE_S = 30.0
+IDLE_S = 60.0
 IDLE_SETTLE_S = 3.0
 ALL_SMALL = {"1g.10gb": 7}
 BIG = "nvidia.com/mig-7g.80gb"
@@ -86,15 +88,17 @@ def _agent(work: str, kdir: str, env: dict, *args: str) -> subprocess.Popen:
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _reconfigurations(work: str, kdir: str, ctl: str, env: dict, interval: str
+def _reconfigurations(work: str, kdir: str, ctl: str, env: dict, interval: float
                       ) -> list[float]:
     client = SimKubeletClient(kdir)
-    proc = _agent(work, kdir, env, "--mig-check-interval", interval)
+    proc = _agent(work, kdir, env, "--mig-check-interval", f"{interval:g}s")
     out = []
     try:
         client.wait_for(lambda s: _count_in(s, SMALL) == 56, timeout=30, what="56 MIG devices")
         for i in range(RECONFIGURATIONS):
             to_big = i % 2 == 0
+            # a change lands anywhere between two checks, as an operator's would
+            time.sleep(random.uniform(0, interval))
             start = time.monotonic()
             sim_mig.set_layout(ctl, 7, {"7g.80gb": 1} if to_big else ALL_SMALL, PROFILE)
             want = 49 if to_big else 56
@@ -143,21 +147,21 @@ def run() -> Section:
     for key, what in (("read", "read 8 GPUs x 7 MIG devices (read_mig_devices)"),
                       ("map", "mixed-strategy device map of them (Resources.device_map)"),
                       ("layout", "one layout read of the periodic check (mig.layout)")):
-        med, p99 = summarize(reads[key])
-        section.rows.append([what, _ms(med), _ms(p99), "—"])
+        samples = reads[key]
+        section.rows.append([what, _ms(statistics.median(samples)),
+                             _ms(percentile(samples, 99)), "—"])
     kubelet = SimKubelet(kdir)
     kubelet.start()
     try:
         interval = DEFAULT_MIG_CHECK_INTERVAL_S
-        samples = _reconfigurations(work, kdir, ctl, env, f"{interval:g}s")
-        med = summarize(samples)[0]
+        samples = _reconfigurations(work, kdir, ctl, env, interval)
         section.rows.append([
-            f"reconfiguration → kubelet, check every {interval:g} s (default)", _ms(med),
-            _ms(percentile(samples, 99)),
+            f"reconfiguration → kubelet, check every {interval:g} s (default)",
+            _ms(statistics.median(samples)), _ms(percentile(samples, 99)),
             f"≤ interval + 1 s: {'met' if max(samples) <= interval + 1 else '**not met**'}"])
-        fast = _reconfigurations(work, kdir, ctl, env, "0.5s")
+        fast = _reconfigurations(work, kdir, ctl, env, 0.5)
         section.rows.append(["reconfiguration → kubelet, check every 0.5 s",
-                             _ms(summarize(fast)[0]), _ms(percentile(fast, 99)),
+                             _ms(statistics.median(fast)), _ms(percentile(fast, 99)),
                              f"≤ 1.5 s: {'met' if max(fast) <= 1.5 else '**not met**'}"])
         on = _idle(work, kdir, env)
         off = _idle(work, kdir, env, "--mig-check-interval", "0")
@@ -168,8 +172,9 @@ def run() -> Section:
     finally:
         kubelet.stop()
     section.notes.append(
-        f"Reconfiguration: {RECONFIGURATIONS} changes of GPU 7 between 7x 1g.10gb and 7g.80gb; "
-        "the time is dominated by waiting for the next check (half an interval on average), "
+        f"Reconfiguration: {RECONFIGURATIONS} changes of GPU 7 between 7x 1g.10gb and 7g.80gb, "
+        "each made at a random moment between two checks; the time is dominated by waiting "
+        "for the next check (half an interval on average, a whole one at worst), "
         "then one re-read of the GPUs, the new device map, and the registrar adding or removing "
         "a resource (the resources that stay keep serving).")
     return section

@@ -18,8 +18,8 @@ def test_demo_walks_through_and_exits_zero(profile):
     out = proc.stdout
     steps = ("1. Simulated GPU node", "2. Topology", "3. Simulated kubelet",
              "4. The agent registers with kubelet", "5. Devices as kubelet sees them",
-             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. gpu-agent doctor",
-             "10. Clean stop")
+             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. MIG: node",
+             "10. gpu-agent doctor", "11. Clean stop")
     positions = [out.find(f"== {step}") for step in steps]
     assert -1 not in positions and positions == sorted(positions), out
     assert "nvidia.com/gpu  gpu-agent-gpu.sock  1              yes" in out  # registered
@@ -35,6 +35,10 @@ def test_demo_walks_through_and_exits_zero(profile):
     assert re.search(r"nvidia.com/gpu  2 +open +8 +GPUs " + picked.group(1), out), out
     assert re.search(r"0 warn, 0 fail, \d+ skip: exit 0", out), out  # gpu-agent doctor
     assert "FAIL  devices.dev-char" in out  # ... and the node without its /dev/char links
+    # the MIG step: a100-mig under mixed, GPU 5 reconfigured to 7x 1g.10gb while it runs
+    assert re.search(r"nvidia.com/mig-1g.10gb +9 +16\n", out), out
+    assert re.search(r"nvidia.com/mig-3g.40gb +4 +2\n", out), out
+    assert "nvidia.com/gpu kept its registration (1) and its 3 devices throughout" in out
     assert "gpu-agent: SIGTERM → exit 0; its socket removed: yes" in out
     assert "simulated kubelet stopped (exit 0)" in out
     if profile == "dgx1-v100":

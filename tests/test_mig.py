@@ -460,3 +460,19 @@ def test_cdi_check_finds_mig_device_names_in_a_spec_written_as_the_toolkit_write
         doc = node.status_when(lambda d: d.get("cdi") is not None and d["cdi"]["missing"],
                                "the CDI check's missing names")
         assert len(doc["cdi"]["missing"]) == 16 and not doc["cdi"]["ok"]  # the MIG devices
+
+
+def test_a_pending_mig_mode_change_is_advertised_by_the_current_mode_and_reported():
+    # go-nvlib IsMigEnabled (what NVIDIA's plugin asks) reads the current mode only; a100-mig's
+    # GPU 7 has MIG disabled now and enabled pending a reset: a whole GPU under every strategy
+    gpu7 = A100["gpus"][7]
+    with Node("a100-mig") as node:
+        agent = node.agent("--mig-strategy", "mixed")
+        _wait_resources(agent, MIXED_A100)
+        assert gpu7["uuid"] in {d.id for d in node.client.state().resource(GPU).devices}
+        note = (f"GPU 7 {gpu7['uuid']}: MIG mode change pending (MIG enabled after the next GPU "
+                f"reset); advertised by its current mode (MIG disabled)")
+        assert note in agent.log
+        doc = node.status_when(lambda d: d.get("migPending"), "the pending change")
+        assert doc["migPending"] == [note]
+        assert "GPU 7: MIG mode change pending" in node.status_with("MIG mode change pending")

@@ -36,7 +36,19 @@ class Gpu(NamedTuple):
     numa_node: int | None
     memory_total: int  # bytes
     compute_capability: tuple[int, int]
-    mig_enabled: bool
+    mig_enabled: bool  # the current MIG mode: what the GPU is advertised by, as NVIDIA does
+    mig_pending: bool | None = None  # the mode after the next GPU reset; None: not MIG capable
+
+    @property
+    def mig_pending_note(self) -> str:
+        """"" or the line saying a MIG mode change waits for a GPU reset: the GPU is advertised
+        by its current mode, as NVIDIA's plugin does (go-nvlib IsMigEnabled reads only it)."""
+        if self.mig_pending is None or self.mig_pending == self.mig_enabled:
+            return ""
+        return (f"GPU {self.index} {self.uuid}: MIG mode change pending (MIG "
+                f"{'enabled' if self.mig_pending else 'disabled'} after the next GPU reset); "
+                f"advertised by its current mode (MIG "
+                f"{'enabled' if self.mig_enabled else 'disabled'})")
 
     @property
     def short_bus_id(self) -> str:
@@ -95,12 +107,13 @@ def _read_gpu(index: int, sys_root: str) -> Gpu:
     pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
     bus_id = _text(pci.busId)
     try:
-        current, _pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
+        current, pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
         mig = current == pynvml.NVML_DEVICE_MIG_ENABLE
+        mig_pending = pending == pynvml.NVML_DEVICE_MIG_ENABLE
     except NvmlError as exc:
         if not exc.is_not_supported:
             raise
-        mig = False
+        mig, mig_pending = False, None
     return Gpu(
         index=index,
         uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
@@ -111,6 +124,7 @@ def _read_gpu(index: int, sys_root: str) -> Gpu:
         memory_total=int(_call(pynvml.nvmlDeviceGetMemoryInfo, handle).total),
         compute_capability=tuple(_call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)),
         mig_enabled=mig,
+        mig_pending=mig_pending,
     )
 
 

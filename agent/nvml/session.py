@@ -103,5 +103,8 @@ def log_gpus(gpus: list[discovery.Gpu]) -> None:
                  g.index, g.uuid, g.name, g.pci_bus_id, numa, g.memory_total >> 20,
                  *g.compute_capability,
                  ", MIG enabled: advertised whole with migStrategy none" if g.mig_enabled else "")
+    for g in gpus:
+        if g.mig_pending_note:
+            log.warning("%s", g.mig_pending_note)
     if not gpus:
         log.warning("no GPUs found: advertising nothing")

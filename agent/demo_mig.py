@@ -1,0 +1,82 @@
+"""`gpu-agent demo`'s MIG step: a second simulated node (a100-mig) under migStrategy mixed,
+reconfigured while the agent runs, and kubelet seeing the new resources.
+
+Owns: that step's output. Must not hold logic of its own: it drives `gpu-agent run`, the
+simulated kubelet and `gpu-agent sim mig` as an operator would, and prints what they show.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROFILE = "a100-mig"
+
+
+def _counts(state) -> dict[str, int]:
+    return {r.name: len(r.devices) for r in state.resources.values()
+            if r.connected and r.devices}
+
+
+def run_mig_step(work: Path, lib: str, step: str, table, say, wait_state) -> int:
+    """Print the step; 0 when every stage happened as shown."""
+    from agent.sim import mig as sim_mig
+    from agent.sim.kubelet import SimKubelet, SimKubeletClient
+
+    root = work / "mig"
+    kdir, ctl = root / "device-plugins", root / "simctl"
+    kdir.mkdir(parents=True)
+    ctl.mkdir()
+    env = {**os.environ, "GPU_AGENT_SIM_PROFILE": PROFILE, "GPU_AGENT_SIM_CONTROL": str(ctl)}
+    args = ["run", "--kubelet-socket", str(kdir / "kubelet.sock"), "--pod-resources-socket",
+            "", "--nvml-library", lib, "--state-dir", str(root / "state"),
+            "--mig-strategy", "mixed", "--mig-check-interval", "1s"]
+    say(f"{step}. MIG: node '{PROFILE}' under migStrategy mixed, reconfigured while it runs",
+        "  gpu-agent run --mig-strategy mixed --mig-check-interval 1s ...")
+    quiet = logging.getLogger("agent.sim")  # this step's kubelet runs in the demo's process
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    kubelet = SimKubelet(str(kdir))
+    kubelet.start()
+    client = SimKubeletClient(str(kdir))
+    log = root / "agent.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, "-m", "agent", *args], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    try:
+        state = wait_state(client, lambda s: len(_counts(s)) >= 6, agent, log,
+                           "the MIG resources")
+        before = _counts(state)
+        print(table(["resource", "devices"], sorted(before.items())))
+        print("  GPU 5 (2x 3g.40gb) becomes 7x 1g.10gb: gpu-agent sim mig apply FILE, with "
+              "FILE in nvidia-mig-parted's shape (mig-devices: {\"1g.10gb\": 7})")
+        t0 = time.monotonic()
+        sim_mig.set_layout(str(ctl), 5, {"1g.10gb": 7}, PROFILE)
+        small = "nvidia.com/mig-1g.10gb"
+        state = wait_state(client, lambda s: _counts(s).get(small, 0) == before[small] + 7,
+                           agent, log, "the new layout")
+        after = _counts(state)
+        print(f"  kubelet saw it {time.monotonic() - t0:.2f} s later, from the same agent "
+              f"(pid {agent.pid}, no restart):")
+        print(table(["resource", "before", "after"],
+                    [[n, before.get(n, 0), after.get(n, 0)] for n in sorted(set(before) |
+                                                                           set(after))]))
+        kept = state.resource("nvidia.com/gpu")
+        print(f"  nvidia.com/gpu kept its registration ({kept.registrations}) and its "
+              f"{len(kept.devices)} devices throughout (docs/mig.md)")
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(10)
+        agent = None
+        return code
+    finally:
+        if agent is not None:
+            agent.kill()
+            agent.wait()
+        client.close()
+        kubelet.stop()
+        quiet.setLevel(level)
