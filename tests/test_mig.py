@@ -476,3 +476,15 @@ def test_a_pending_mig_mode_change_is_advertised_by_the_current_mode_and_reporte
         doc = node.status_when(lambda d: d.get("migPending"), "the pending change")
         assert doc["migPending"] == [note]
         assert "GPU 7: MIG mode change pending" in node.status_with("MIG mode change pending")
+
+
+def test_h100_single_on_a_uniform_layout_advertises_every_mig_device_as_a_gpu():
+    from agent.sim import mig as sim_mig
+
+    with Node("h100-mig") as node:
+        for gpu in range(8):
+            sim_mig.set_layout(node.ctl, gpu, {"1g.20gb": 4}, profile="h100-mig")
+        agent = node.agent("--mig-strategy", "single")
+        res = agent.wait_registered()
+        assert len(res.devices) == 32 and _counts(node) == {GPU: 32}  # [DEFAULTS], [VALID]
+        assert all(d.id.startswith("MIG-") for d in res.devices)
