@@ -43,6 +43,13 @@ def sim_node_env(work: str, profile: str = "dgx1-v100") -> tuple[str, str, dict]
     return kdir, ctl_dir, env
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (/proc/PID/stat utime + stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank, of a non-empty sample list."""
     ordered = sorted(samples)

@@ -29,7 +29,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.sim import control, lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, percentile, summarize
+from bench import Section, cpu_seconds, percentile, summarize
 
 RESOURCE = "nvidia.com/gpu"
 LATENCY_SAMPLES = 200
@@ -120,12 +120,6 @@ def _latency(node: _Node, uuids: list[str], seq: int) -> list[float]:
                 break
     events.close()
     return samples
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _allocate_interleaved(nodes: dict[str, _Node], uuid: str) -> dict[str, list[float]]:
@@ -238,11 +232,11 @@ def run() -> Section:
         for n in nodes.values():
             n.registered()
         time.sleep(IDLE_SETTLE_S)
-        before = {m: (_cpu_s(p.pid), time.monotonic()) for m, p in procs.items()}
+        before = {m: (cpu_seconds(p.pid), time.monotonic()) for m, p in procs.items()}
         time.sleep(IDLE_S)
         idle = {}
         for m, p in procs.items():
-            used, span = _cpu_s(p.pid) - before[m][0], time.monotonic() - before[m][1]
+            used, span = cpu_seconds(p.pid) - before[m][0], time.monotonic() - before[m][1]
             idle[m] = f"{used / span * 100:.3f}% of a core ({used:.2f} s CPU in {span:.0f} s)"
         samples = _allocate_interleaved(nodes, uuids[0])
         alloc = {m: (percentile(v, 50), percentile(v, 99)) for m, v in samples.items()}

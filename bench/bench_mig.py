@@ -27,26 +27,19 @@ import time
 from agent.sim import lib_path
 from agent.sim import mig as sim_mig
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import AGENT_COMMAND, Section, percentile, sim_node_env
+from bench import AGENT_COMMAND, Section, cpu_seconds, percentile, sim_node_env
 
 PROFILE = "h100-mig"
+ALL_SMALL = {"1g.10gb": 7}  # every GPU's layout before anything is timed
+SMALL = "nvidia.com/mig-1g.10gb"
 READS = 50
 RECONFIGURATIONS = 10
 IDLE_S = 60.0
 IDLE_SETTLE_S = 3.0
-ALL_SMALL = {"1g.10gb": 7}
-BIG = "nvidia.com/mig-7g.80gb"
-SMALL = "nvidia.com/mig-1g.10gb"
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _timed(fn, repeat: int) -> list[float]:
@@ -122,9 +115,9 @@ def _idle(work: str, kdir: str, env: dict, *args: str) -> float:
     try:
         client.wait_for(lambda s: _count_in(s, SMALL) >= 49, timeout=30, what="registration")
         time.sleep(IDLE_SETTLE_S)  # the start's journal load and first reconciliation
-        before, start = _cpu_s(proc.pid), time.monotonic()
+        before, start = cpu_seconds(proc.pid), time.monotonic()
         time.sleep(IDLE_S)  # a fixed window: what an idle agent spends in it is the figure
-        used, span = _cpu_s(proc.pid) - before, time.monotonic() - start
+        used, span = cpu_seconds(proc.pid) - before, time.monotonic() - start
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import pynvml
@@ -126,6 +126,17 @@ def _caps(minors: dict[str, int], gpu: Gpu, gi: int, ci: int) -> tuple[str, ...]
     return tuple(f"/dev/nvidia-caps/nvidia-cap{minors[n]}" for n in names)
 
 
+def _mig_handles(handle) -> Iterator[tuple[int, object]]:
+    """(handle index, MIG device handle) of a MIG-enabled GPU, skipping the indexes that answer
+    NOT_FOUND or INVALID_ARGUMENT (go-nvlib device.go VisitMigDevices)."""
+    for j in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
+        try:
+            yield j, _call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, j)
+        except NvmlError as exc:
+            if exc.name not in ("NOT_FOUND", "INVALID_ARGUMENT"):
+                raise
+
+
 def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
     """The MIG devices of the MIG-enabled GPUs among `gpus`, by GPU index then handle index.
     NvmlError when NVML cannot say (a lost GPU included: the caller decides)."""
@@ -142,13 +153,7 @@ def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
                 minors = {}
         handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
         profiles = _gi_profiles(handle)
-        for j in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
-            try:
-                mig = _call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, j)
-            except NvmlError as exc:
-                if exc.name in ("NOT_FOUND", "INVALID_ARGUMENT"):
-                    continue
-                raise
+        for j, mig in _mig_handles(handle):
             attrs = _call(pynvml.nvmlDeviceGetAttributes_v2, mig)
             name = _text(_call(pynvml.nvmlDeviceGetName, mig))
             gi_slices, ci_slices = attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount
@@ -179,15 +184,7 @@ def layout(gpus: Iterable[Gpu]) -> tuple:
             if exc.is_not_supported:
                 continue
             raise
-        uuids = []
-        if current:
-            for j in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
-                try:
-                    mig = _call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, j)
-                except NvmlError as exc:
-                    if exc.name in ("NOT_FOUND", "INVALID_ARGUMENT"):
-                        continue
-                    raise
-                uuids.append(_text(_call(pynvml.nvmlDeviceGetUUID, mig)))
+        uuids = [_text(_call(pynvml.nvmlDeviceGetUUID, mig))
+                 for _, mig in (_mig_handles(handle) if current else ())]
         out.append((gpu.uuid, int(current), int(pending), tuple(uuids)))
     return tuple(out)
