@@ -1,4 +1,4 @@
-"""The compiled hot paths exist and are live: agent._fast.events and .topology import as extension
+"""The compiled hot paths exist and are live: agent._fast.events, .topology and .replay import as extension
 modules built from the current sources (so this suite fails on an unbuilt tree rather than
 quietly testing the twins twice), the selector picks them by default and the twins under
 GPU_AGENT_PURE_PYTHON=1, both implementations offer the same API, and `gpu-agent status` says
@@ -22,7 +22,10 @@ FAST = ROOT / "agent" / "_fast"
 PAIRS = [
     pytest.param("events", "_events_py", id="events"),
     pytest.param("topology", "_topology_py", id="topology"),
+    pytest.param("replay", "_replay_py", id="replay"),
 ]
+# events.pyx cimports nvml.pxd; topology has its .pxd; replay stands alone
+SOURCES = {"events": 2, "topology": 2, "replay": 1}
 
 
 @pytest.mark.parametrize(("compiled", "twin"), PAIRS)
@@ -45,7 +48,7 @@ def _sources(compiled: str) -> list[Path]:
 def test_compiled_module_is_built_from_current_sources(compiled, twin):
     built = Path(importlib.import_module(f"agent._fast.{compiled}").__file__).stat().st_mtime
     sources = _sources(compiled)
-    assert len(sources) >= 2, sources  # events.pyx cimports nvml.pxd; topology has its .pxd
+    assert len(sources) == SOURCES[compiled], sources
     stale = [s.name for s in sources if s.stat().st_mtime > built]
     assert not stale, f"agent._fast.{compiled} is older than {stale}: run setup.py build_ext --inplace"
 
@@ -73,16 +76,20 @@ def _selector(pure: str | None) -> tuple[str, str]:
     if pure is not None:
         env["GPU_AGENT_PURE_PYTHON"] = pure
     code = ("from agent import _fast; "
-            "print(_fast.IMPLEMENTATION, _fast.events_impl.__name__, _fast.topology_impl.__name__)")
+            "print(_fast.IMPLEMENTATION, _fast.events_impl.__name__, _fast.topology_impl.__name__, "
+            "_fast.replay_impl.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     return proc.stdout.strip(), proc.stderr
 
 
 @pytest.mark.parametrize(("pure", "expected"), [
-    pytest.param(None, "cython agent._fast.events agent._fast.topology", id="default"),
-    pytest.param("0", "cython agent._fast.events agent._fast.topology", id="pure-0"),
-    pytest.param("1", "python agent._fast._events_py agent._fast._topology_py", id="pure-1"),
+    pytest.param(None, "cython agent._fast.events agent._fast.topology agent._fast.replay",
+                 id="default"),
+    pytest.param("0", "cython agent._fast.events agent._fast.topology agent._fast.replay",
+                 id="pure-0"),
+    pytest.param("1", "python agent._fast._events_py agent._fast._topology_py "
+                      "agent._fast._replay_py", id="pure-1"),
 ])
 def test_selector_picks_the_implementation(pure, expected):
     out, err = _selector(pure)
@@ -92,9 +99,11 @@ def test_selector_picks_the_implementation(pure, expected):
 
 @pytest.mark.parametrize(("pure", "expected"), [
     pytest.param(None, "hot paths: cython (events: agent._fast.events, "
-                       "topology: agent._fast.topology)", id="cython"),
+                       "topology: agent._fast.topology, replay: agent._fast.replay)",
+                 id="cython"),
     pytest.param("1", "hot paths: python (events: agent._fast._events_py, "
-                      "topology: agent._fast._topology_py)", id="python"),
+                      "topology: agent._fast._topology_py, replay: agent._fast._replay_py)",
+                 id="python"),
 ])
 def test_status_names_the_live_implementation(pure, expected):
     env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_PURE_PYTHON"}

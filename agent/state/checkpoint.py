@@ -3,7 +3,9 @@
 Owns: `Record` (one container's allocation: resource, device IDs, the physical GPUs behind
 them, the Allocate response given (None for an allocation adopted from podresources, whose
 response the agent never saw), when, in which boot, and the pod it was attributed to),
-`Checkpoint` (the records and when/where they were written), and `encode` / `decode`.
+`Checkpoint` (the records and when/where they were written), `encode` / `decode`, and
+`by_age` (the order of records) and `building_records` (the garbage collector paused while
+records are made by the thousand).
 
 The file is one msgpack map, the frame, which every version of gpu-agent keeps as it is:
 
@@ -20,15 +22,19 @@ agent.state.reconcile matches them to pods).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
 import msgpack
 
+from agent import _fast
 from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEVICE_ID_STRATEGIES
 from agent.errors import CheckpointError
 
@@ -266,89 +272,37 @@ def _response(value: Any, where: str) -> Response:
     )
 
 
-class _Slow(Exception):
-    """The fast path met something it does not take: the checked path decides."""
+# A sort key: records in the order of their Allocates (the ID breaks ties).
+by_age = attrgetter("time", "id")
 
 
-def _fast_strs(value: Any) -> tuple[str, ...]:
-    if type(value) is not list:
-        raise _Slow
-    for v in value:
-        if type(v) is not str:
-            raise _Slow
-    return tuple(value)
-
-
-def _fast_str_map(value: Any) -> dict:
-    if type(value) is not dict:
-        raise _Slow
-    for k, v in value.items():
-        if type(k) is not str or type(v) is not str:
-            raise _Slow
-    return value
-
-
-def _fast_response(resp: Any) -> Response:
-    if type(resp) is not dict or len(resp) != len(_RESPONSE_KEYS):
-        raise _Slow
+@contextmanager
+def building_records() -> Iterator[None]:
+    """For a pass that makes records by the thousand (a journal replayed, a reconciliation):
+    it makes some hundred thousand small containers and frees few, so the cyclic garbage
+    collector would walk the growing heap again and again (a third of a replay's time at
+    10,000 records, docs/benchmarks.md) to find no cycle. It is paused for the pass."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        envs, mounts, specs = resp["envs"], resp["mounts"], resp["devices"]
-        annotations, cdi = resp["annotations"], resp["cdiDevices"]
-    except KeyError:
-        raise _Slow from None
-    if type(mounts) is not list or type(specs) is not list:
-        raise _Slow
-    for m in mounts:
-        if type(m) is not list or len(m) != 3 or type(m[0]) is not str or \
-                type(m[1]) is not str or type(m[2]) is not bool:
-            raise _Slow
-    for s in specs:
-        if type(s) is not list or len(s) != 3 or not all(type(x) is str for x in s):
-            raise _Slow
-    return Response(_fast_str_map(envs), tuple(MountRec(*m) for m in mounts) if mounts else (),
-                    tuple(DeviceSpecRec(*s) for s in specs) if specs else (),
-                    _fast_str_map(annotations), _fast_strs(cdi))
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
-def _fast_record(d: Any) -> Record:
-    """`_checked_record` for well-formed input, without building error paths (a restart
-    decodes every record); raises _Slow on anything else, never accepts more than it."""
-    if type(d) is not dict or len(d) != len(_RECORD_KEYS):
-        raise _Slow
-    try:
-        rid, resource, devices, gpus, resp = d["id"], d["resource"], d["devices"], d["gpus"], \
-            d["response"]
-        t, boot, pod, confirmed = d["time"], d["boot"], d["pod"], d["confirmed"]
-    except KeyError:
-        raise _Slow from None
-    if type(rid) is not str or type(resource) is not str or type(boot) is not str:
-        raise _Slow
-    if type(t) not in (float, int) or (confirmed is not None
-                                       and type(confirmed) not in (float, int)):
-        raise _Slow
-    if type(gpus) is not list:
-        raise _Slow
-    refs = []
-    for g in gpus:
-        if type(g) is not list or len(g) != 2 or type(g[0]) is not str or type(g[1]) is not int:
-            raise _Slow
-        refs.append(GpuRef(g[0], g[1]))
-    response = None if resp is None else _fast_response(resp)
-    if pod is not None:
-        pod = _fast_strs(pod)
-        if len(pod) != 3:
-            raise _Slow
-        pod = PodRef(*pod)
-    return Record(rid, resource, _fast_strs(devices), tuple(refs), response, float(t), boot,
-                  pod, None if confirmed is None else float(confirmed))
+# The record types, in the order agent._fast's replay builds them from the journal (it may not
+# import this module).
+KINDS = (Record, GpuRef, PodRef, Response, MountRec, DeviceSpecRec)
 
 
-def record_from_data(value: Any, where: str) -> Record:
-    """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad."""
-    try:
-        return _fast_record(value)
-    except _Slow:
-        return _checked_record(value, where)
+def record_from_data(value: Any, where: str, replay_module: Any = None) -> Record:
+    """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad. The
+    common case goes through the replay hot path (agent._fast: the live one unless
+    `replay_module` is given), which takes only well-formed maps; anything else is checked here
+    field by field."""
+    fast = (replay_module or _fast.replay_impl).record(value, KINDS)
+    return _checked_record(value, where) if fast is None else fast
 
 
 def _checked_record(value: Any, where: str) -> Record:

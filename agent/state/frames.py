@@ -27,9 +27,17 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from agent import _fast
 from agent.constants import DEVICE_ID_STRATEGIES
 from agent.errors import CheckpointError
-from agent.state.checkpoint import PodRef, Record, record_data, record_from_data
+from agent.state.checkpoint import (
+    KINDS,
+    PodRef,
+    Record,
+    building_records,
+    record_data,
+    record_from_data,
+)
 
 MAGIC = b"gpu-agent journal\n"
 VERSION = 2  # 1 was the single-file checkpoint (agent.state.checkpoint)
@@ -150,16 +158,23 @@ def _apply(records: dict[str, Record], items: Any, at: int) -> None:
         records[rid] = r.with_pod(PodRef(*pod) if pod else None,
                                   None if confirmed is None else float(confirmed))
     elif op == "drop" and len(items) == 2:
-        if records.pop(items[1], None) is None:
+        if not isinstance(items[1], str) or records.pop(items[1], None) is None:
             raise _corrupt(at, f"drop of record {items[1]!r}, which the journal does not hold")
     else:
         raise _corrupt(at, f"unknown entry {str(op)[:20]!r} of {len(items)} items")
 
 
-def scan(data: bytes | memoryview) -> Scan:
+def scan(data: bytes | memoryview, replay_module: Any = None) -> Scan:
     """Replay the journal in `data`. CheckpointError ("corrupt", "version") when it cannot
-    be used; a torn tail is not an error (Scan.torn says what was cut)."""
-    view = memoryview(data)
+    be used; a torn tail is not an error (Scan.torn says what was cut). The common entries go
+    through the replay hot path (agent._fast: the live one unless `replay_module` is given);
+    the first frame it does not take (a meta entry, a torn or damaged one) is replayed here,
+    with the checks and messages."""
+    with building_records():
+        return _scan(memoryview(data), replay_module or _fast.replay_impl)
+
+
+def _scan(view: memoryview, fast: Any) -> Scan:
     n = len(view)
     if n < len(MAGIC):
         if bytes(view) == MAGIC[:n]:
@@ -173,6 +188,11 @@ def scan(data: bytes | memoryview) -> Scan:
     pos = len(MAGIC)
     unpackb = msgpack.unpackb
     while pos < n:
+        if meta is not None:
+            pos, applied = fast.replay(view, pos, records, KINDS)
+            entries += applied
+            if pos >= n:
+                break
         torn = _torn(view, pos, n)
         if torn:
             return Scan(records, meta, entries, pos, torn)

@@ -31,20 +31,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
-from agent.state.checkpoint import GpuRef, PodRef, Record
+from agent.state.checkpoint import GpuRef, PodRef, Record, building_records, by_age
 
 # An Allocate that no pod claims within this long was not followed by a running container
 # (kubelet failed the admission after Allocate, or something other than kubelet called us).
 UNATTRIBUTED_GRACE_S = 300.0
+_new_record = tuple.__new__  # a Record from its nine fields, without Record.__new__'s call
 
 
-@dataclass(frozen=True)
-class PodDevices:
+class PodDevices(NamedTuple):
     """One container's devices of one resource, as podresources List reports them (kubelet
-    may split them into several ContainerDevices by NUMA node; those are merged here)."""
+    may split them into several ContainerDevices by NUMA node; those are merged here). A
+    tuple: a listing names every GPU container of the node."""
 
     namespace: str
     name: str
@@ -52,7 +52,7 @@ class PodDevices:
     resource: str
     device_ids: tuple[str, ...]
 
-    @cached_property
+    @property
     def pod(self) -> PodRef:
         return PodRef(self.namespace, self.name, self.container)
 
@@ -85,14 +85,14 @@ def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
     return list(merged.values())
 
 
-def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
-                  ) -> tuple[Record | None, str]:
-    """(the record with its GPUs resolved, a note of what changed) or (None, why dropped)."""
+def _resolve_gpus(gpus: tuple[GpuRef, ...], by_uuid: dict, by_index: dict, keyed_by: str
+                  ) -> tuple[tuple[GpuRef, ...] | None, str]:
+    """(the GPUs resolved, a note of what changed) or (None, why the record is dropped)."""
     table = by_index if keyed_by == "index" else by_uuid
-    if all(table.get(g.index if keyed_by == "index" else g.uuid) == g for g in r.gpus):
-        return r, ""  # the usual case: every GPU where it was
+    if all(table.get(g.index if keyed_by == "index" else g.uuid) == g for g in gpus):
+        return gpus, ""  # the usual case: every GPU where it was
     out, notes = [], []
-    for g in r.gpus:
+    for g in gpus:
         if keyed_by == "index":
             now = by_index.get(g.index)
             if now is None:
@@ -107,9 +107,7 @@ def _resolve_gpus(r: Record, by_uuid: dict, by_index: dict, keyed_by: str
             if now.index != g.index:
                 notes.append(f"GPU {g.uuid}: index {g.index} is now {now.index}")
         out.append(GpuRef(now.uuid, now.index))
-    if notes:
-        return r._replace(gpus=tuple(out)), "; ".join(notes)
-    return r, ""
+    return (tuple(out), "; ".join(notes)) if notes else (gpus, "")
 
 
 def adopted_id(e: PodDevices) -> str:
@@ -128,6 +126,13 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
     be had. Records in `protected` (appended after the listing was asked for) are kept as they
     are, and a listed container with one of their device sets is not adopted: a listing older
     than a record cannot tell its container from the devices' previous holder."""
+    with building_records():
+        return _reconcile(records, listing, devices, keyed_by, boot, now, grace, protected)
+
+
+def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
+               devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
+               now: float, grace: float, protected: frozenset[str]) -> Outcome:
     dropped: list[tuple[Record, str]] = []
     rekeyed: list[tuple[Record, str]] = []
     current: list[Record] = []
@@ -135,14 +140,21 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         gpus = {GpuRef(d.gpu_uuid, int(d.gpu_index)) for ds in devices.values() for d in ds}
         by_uuid = {g.uuid: g for g in gpus}
         by_index = {g.index: g for g in gpus}
+        # records share a few GPU tuples (one per GPU set handed out): each resolved once
+        resolved_sets: dict[tuple[GpuRef, ...], tuple[tuple[GpuRef, ...] | None, str]] = {}
         for r in records:
-            resolved, note = _resolve_gpus(r, by_uuid, by_index, keyed_by)
+            known = resolved_sets.get(r.gpus)
+            if known is None:
+                known = resolved_sets[r.gpus] = _resolve_gpus(r.gpus, by_uuid, by_index,
+                                                              keyed_by)
+            resolved, note = known
             if resolved is None:
                 dropped.append((r, note))
                 continue
             if note:
-                rekeyed.append((resolved, note))
-            current.append(resolved)
+                r = r._replace(gpus=resolved)
+                rekeyed.append((r, note))
+            current.append(r)
     else:
         current = list(records)
 
@@ -151,25 +163,26 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
         return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False)
 
     merged = merge_listing(listing)
-    # (resource, device set) -> the unclaimed containers listing exactly it (a dict: ordered,
-    # O(1) membership and removal when claimed)
-    by_set: dict[tuple[str, frozenset], dict[PodRef, None]] = {}
+    # (resource, device set) -> the unclaimed containers listing exactly it, each with its
+    # place in the listing (a dict: ordered, O(1) membership and removal when claimed)
+    by_set: dict[tuple[str, frozenset], dict[PodRef, int]] = {}
     owner: dict[tuple[str, str], PodRef] = {}
     live_pods = set()
-    for e in merged:
-        pod = e.pod
-        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[pod] = None
+    for i, e in enumerate(merged):
+        pod = PodRef(e.namespace, e.name, e.container)
+        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[pod] = i
         for d in e.device_ids:
             owner[(e.resource, d)] = pod
         live_pods.add((e.namespace, e.name))
-    claimed: set[tuple[str, PodRef]] = set()
     kept: list[Record] = []
     attributed: list[Record] = []
+    pending = 0
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
     # running container got
-    for r in sorted(current, key=lambda r: (r.time, r.id), reverse=True):
+    for r in sorted(current, key=by_age, reverse=True):
         if r.id in protected:  # newer than the listing: the next pass judges it
             kept.append(r)
+            pending += r.pod is None
             continue
         candidates = by_set.get((r.resource, frozenset(r.devices)), {})
         match = None
@@ -179,13 +192,10 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
             match = next(iter(candidates))
         if match is not None:
             del candidates[match]
-            claimed.add((r.resource, match))
             if r.pod is match or r.pod == match:
-                kept.append(Record(r.id, r.resource, r.devices, r.gpus, r.response, r.time,
-                                   r.boot, r.pod, now))
+                kept.append(_new_record(Record, (*r[:8], now)))
             else:
-                updated = Record(r.id, r.resource, r.devices, r.gpus, r.response, r.time,
-                                 r.boot, match, now)
+                updated = _new_record(Record, (*r[:7], match, now))
                 kept.append(updated)
                 attributed.append(updated)
             continue
@@ -207,13 +217,14 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
             dropped.append((r, f"no pod claimed it within {grace:g} s of the Allocate"))
         else:
             kept.append(r)
+            pending += 1
     adopted = []
     # a listed container with the device set of a record newer than the listing may be that
     # record's (or the devices' previous holder): neither is decided on this listing
-    fresh_sets = {(r.resource, frozenset(r.devices)) for r in current if r.id in protected}
-    for e in merged:
-        if (e.resource, e.pod) in claimed or devices is None:
-            continue
+    fresh_sets = {(r.resource, frozenset(r.devices)) for r in current if r.id in protected} \
+        if protected else set()
+    unclaimed = sorted(i for pods in by_set.values() for i in pods.values())
+    for e in (merged[i] for i in unclaimed) if devices is not None else ():
         if (e.resource, frozenset(e.device_ids)) in fresh_sets:
             continue
         known = {d.id: d for d in devices.get(e.resource, ())}
@@ -223,10 +234,11 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
             id=adopted_id(e), resource=e.resource, devices=e.device_ids,
             gpus=tuple(GpuRef(known[d].gpu_uuid, int(known[d].gpu_index)) for d in e.device_ids),
             response=None, time=now, boot=boot, pod=e.pod, confirmed=now))
+    kept.reverse()  # oldest first, as they were in
     kept += adopted
-    kept.sort(key=lambda r: (r.time, r.id))
-    kept_ids = {r.id for r in kept}
-    rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
-    pending = sum(1 for r in kept if r.pod is None)
+    kept.sort(key=by_age)  # a few runs already in order: close to linear
+    if rekeyed:
+        kept_ids = {r.id for r in kept}
+        rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
     return Outcome(tuple(kept), tuple(dropped), tuple(attributed), tuple(adopted),
                    tuple(rekeyed), pending, True)

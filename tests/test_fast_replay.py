@@ -1,0 +1,152 @@
+"""The journal replay hot path (agent._fast.replay and its twin _replay_py), run on both: a
+restart reads back exactly what was written, and the hot path never changes an answer. The
+oracle is the checked replay alone (agent.state.frames.scan with a replay module that takes
+nothing): on any journal, damaged or not, both implementations give the same records, the same
+torn tail or the same error with the same message.
+"""
+
+from __future__ import annotations
+
+import types
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_state_format import records
+
+from agent.errors import CheckpointError
+from agent.state import checkpoint as ck
+from agent.state import frames
+from agent.state.checkpoint import KINDS, PodRef
+
+# takes no entry and no record: frames.scan then checks every frame itself
+CHECKED_ONLY = types.SimpleNamespace(replay=lambda view, pos, records, kinds: (pos, 0),
+                                     record=lambda value, kinds: None)
+_SETTINGS = settings(max_examples=60, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow,
+                                            HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def journals(draw):
+    """A journal's bytes (meta, puts, claims, drops, and a second meta now and then) and the
+    records it must replay to, by a model of the entries."""
+    model: dict = {}
+    chunks = [frames.MAGIC, frames.meta_frame("boot-1", "uuid", 1.0)]
+    for r in draw(st.lists(records(), max_size=8, unique_by=lambda r: r.id)):
+        chunks.append(frames.put_frame(r))
+        model[r.id] = r
+        for _ in range(draw(st.integers(0, 2))):
+            op = draw(st.sampled_from(["claim", "drop", "meta"]))
+            if op == "meta":
+                chunks.append(frames.meta_frame("boot-2", "index", 2.0))
+            elif r.id in model and op == "claim":
+                pod = draw(st.one_of(st.none(), st.builds(PodRef, st.text(max_size=5),
+                                                          st.text(max_size=5),
+                                                          st.text(max_size=5))))
+                confirmed = draw(st.one_of(st.none(), st.integers(0, 2**31),
+                                           st.floats(0, 4e9)))
+                model[r.id] = model[r.id].with_pod(pod, None if confirmed is None
+                                                   else float(confirmed))
+                chunks.append(frames.frame(msgpack.packb(["claim", r.id, pod and list(pod),
+                                                          confirmed])))
+            elif r.id in model:
+                del model[r.id]
+                chunks.append(frames.drop_frame(r.id))
+    return b"".join(chunks), model
+
+
+def _outcome(data: bytes, module) -> tuple:
+    """What scan says about `data`: its whole result, or the error's kind and message."""
+    try:
+        return ("scan", frames.scan(data, module))
+    except CheckpointError as exc:
+        return ("error", exc.kind, str(exc))
+
+
+@_SETTINGS
+@given(journal=journals())
+def test_property_a_journal_replays_to_what_was_written(fast_impl, journal):
+    data, model = journal
+    scan = frames.scan(data, fast_impl.replay)
+    assert scan.records == model
+    assert list(scan.records) == list(model)  # in the order first written
+    assert scan.torn == "" and scan.good_end == len(data)
+    assert scan == frames.scan(data, CHECKED_ONLY)
+
+
+@_SETTINGS
+@given(journal=journals(), data=st.data())
+def test_property_damage_gets_the_checked_replays_answer(fast_impl, journal, data):
+    raw = bytearray(journal[0])
+    what = data.draw(st.sampled_from(["flip", "cut", "byte", "zeros"]))
+    at = data.draw(st.integers(len(frames.MAGIC), len(raw) - 1))
+    if what == "flip":
+        raw[at] ^= 1 << data.draw(st.integers(0, 7))
+    elif what == "cut":
+        del raw[at:]
+    elif what == "byte":
+        raw[at] = data.draw(st.integers(0, 255))
+    else:
+        raw[at:] = bytes(len(raw) - at)
+    damaged = bytes(raw)
+    assert _outcome(damaged, fast_impl.replay) == _outcome(damaged, CHECKED_ONLY)
+
+
+# Entries that are framed and checksummed right but are not what the journal writes: the hot
+# path must stop at each and leave it to the checked replay (its error, or its acceptance).
+_ODD_ENTRIES = {
+    "bool-time": lambda d: {**d, "time": True},
+    "int-id": lambda d: {**d, "id": 7},
+    "extra-key": lambda d: {**d, "extra": 1},
+    "missing-key": lambda d: {k: v for k, v in d.items() if k != "boot"},
+    "none-for-devices": lambda d: {**d, "devices": None},
+    "gpu-index-str": lambda d: {**d, "gpus": [["GPU-0", "0"]]},
+    "gpu-index-bool": lambda d: {**d, "gpus": [["GPU-0", False]]},
+    "pod-of-2": lambda d: {**d, "pod": ["ns", "pod"]},
+    "mount-flag-int": lambda d: {**d, "response": {**d["response"], "mounts": [["/a", "/b", 1]]}},
+    "env-int": lambda d: {**d, "response": {**d["response"], "envs": {"A": 1}}},
+    "response-key-missing": lambda d: {**d, "response": {"envs": {}}},
+}
+
+
+def _record_map() -> dict:
+    r = ck.Record("r1", "nvidia.com/gpu", ("GPU-0",), (ck.GpuRef("GPU-0", 0),),
+                  ck.Response(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-0"}), 5.0, "boot-1")
+    return ck.record_data(r)
+
+
+@pytest.mark.parametrize("odd", list(_ODD_ENTRIES))
+def test_an_odd_record_is_left_to_the_checked_path(fast_impl, odd):
+    value = _ODD_ENTRIES[odd](_record_map())
+    assert fast_impl.replay.record(value, KINDS) is None
+    data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + \
+        frames.frame(msgpack.packb(["put", value]))
+    assert _outcome(data, fast_impl.replay) == _outcome(data, CHECKED_ONLY)
+
+
+@pytest.mark.parametrize("entry, answer", [
+    pytest.param(["claim", "nobody", None, None], "error", id="claim-of-unknown"),
+    pytest.param(["drop", ["r1"]], "error", id="drop-of-a-list"),
+    pytest.param(["drop", "nobody"], "error", id="drop-of-unknown"),
+    pytest.param(["claim", "r1", ["ns", "pod", "c"], "soon"], "error", id="claim-confirmed-str"),
+    pytest.param(["claim", "r1", ["ns", "pod", "c"], True], "scan", id="claim-confirmed-bool"),
+    pytest.param(["put"], "error", id="put-without-record"),
+    pytest.param(["rename", "r1"], "error", id="unknown-entry"),
+    pytest.param([], "error", id="empty-list"),
+    pytest.param({"put": 1}, "error", id="a-map"),
+])
+def test_an_odd_entry_gets_the_checked_replays_answer(fast_impl, entry, answer):
+    data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + \
+        frames.frame(msgpack.packb(["put", _record_map()])) + frames.frame(msgpack.packb(entry))
+    checked = _outcome(data, CHECKED_ONLY)
+    assert checked[0] == answer, checked
+    assert _outcome(data, fast_impl.replay) == checked
+
+
+@_SETTINGS
+@given(r=records())
+def test_property_a_record_map_reads_back_as_the_checked_path_reads_it(fast_impl, r):
+    value = ck.record_data(r)
+    assert fast_impl.replay.record(value, KINDS) == r == ck.record_from_data(value, "x")
