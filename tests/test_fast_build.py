@@ -110,3 +110,20 @@ def test_status_names_the_live_implementation(pure, expected):
     if pure is not None:
         env["GPU_AGENT_PURE_PYTHON"] = pure
     assert expected in run_gpu_agent("status", env=env).stdout.splitlines()
+
+
+@pytest.mark.parametrize("pure", [None, "1"], ids=["cython", "python"])
+def test_the_replay_loads_on_first_use_not_with_the_selector(pure):
+    """The journal loads after the first registration: the start path (which imports the
+    selector for the event loop) must not import the replay, nor msgpack with it."""
+    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_PURE_PYTHON"}
+    if pure is not None:
+        env["GPU_AGENT_PURE_PYTHON"] = pure
+    code = ("import sys; from agent import _fast; "
+            "before = [m for m in ('agent._fast.replay', 'agent._fast._replay_py', 'msgpack') "
+            "if m in sys.modules]; "
+            "print(before, _fast.replay_impl.__name__, _fast.replay_impl.__name__ in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    name = "agent._fast._replay_py" if pure else "agent._fast.replay"
+    assert proc.stdout.split() == ["[]", name, "True"]

@@ -9,30 +9,45 @@ both). Tests hand either implementation's modules to the code that takes them (H
 and run under both.
 """
 
+import importlib
+import importlib.util
 import logging
 import os
 
 log = logging.getLogger(__name__)
 
+# replay_impl's module per implementation, imported on first use (module __getattr__ below)
+_REPLAY = {"cython": "agent._fast.replay", "python": "agent._fast._replay_py"}
+
 if os.environ.get("GPU_AGENT_PURE_PYTHON", "") == "1":
     from agent._fast import _events_py as events_impl
-    from agent._fast import _replay_py as replay_impl
     from agent._fast import _topology_py as topology_impl
     IMPLEMENTATION = "python"
 else:
     try:
         from agent._fast import events as events_impl
-        from agent._fast import replay as replay_impl
         from agent._fast import topology as topology_impl
+        if importlib.util.find_spec(_REPLAY["cython"]) is None:
+            raise ImportError(f"no module named {_REPLAY['cython']}")
         IMPLEMENTATION = "cython"
     except ImportError as exc:  # an unbuilt tree still runs, slower, and says so
         log.warning("compiled agent._fast not importable (%s); using the pure-Python twins", exc)
         from agent._fast import _events_py as events_impl
-        from agent._fast import _replay_py as replay_impl
         from agent._fast import _topology_py as topology_impl
         IMPLEMENTATION = "python"
 
 log.debug("hot paths: %s (%s, %s, %s)", IMPLEMENTATION, events_impl.__name__,
-          topology_impl.__name__, replay_impl.__name__)
+          topology_impl.__name__, _REPLAY[IMPLEMENTATION])
+
+
+def __getattr__(name: str):
+    """`replay_impl` is imported when first asked for: it brings msgpack, and the journal it
+    serves loads after the first registration, so the start path does not pay for either."""
+    if name == "replay_impl":
+        module = importlib.import_module(_REPLAY[IMPLEMENTATION])
+        globals()["replay_impl"] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["IMPLEMENTATION", "events_impl", "replay_impl", "topology_impl"]
