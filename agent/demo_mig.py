@@ -57,8 +57,11 @@ def run_mig_step(work: Path, lib: str, step: str, table, say, wait_state) -> int
               "FILE in nvidia-mig-parted's shape (mig-devices: {\"1g.10gb\": 7})")
         t0 = time.monotonic()
         sim_mig.set_layout(str(ctl), 5, {"1g.10gb": 7}, PROFILE)
-        small = "nvidia.com/mig-1g.10gb"
-        state = wait_state(client, lambda s: _counts(s).get(small, 0) == before[small] + 7,
+        # each resource reaches kubelet on its own stream: wait for both that change
+        small, gone = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
+        want = {small: before[small] + 7, gone: before[gone] - 2}
+        state = wait_state(client, lambda s: all(_counts(s).get(n, 0) == c
+                                                 for n, c in want.items()),
                            agent, log, "the new layout")
         after = _counts(state)
         print(f"  kubelet saw it {time.monotonic() - t0:.2f} s later, from the same agent "
