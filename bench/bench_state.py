@@ -273,7 +273,7 @@ def run() -> Section:
              "", f"file {big['size'] / 1e6:.2f} MB; {big['twin'] / big['scan']:.1f}× faster "
                  f"than the twin"],
             [f"replay a journal of {RECORDS:,} records, pure-Python twin", _ms(big["twin"]), "",
-             "GPU_AGENT_PURE_PYTHON=1"],
+             "the same file, agent._fast._replay_py"],
             [f"load {RECORDS:,} records (read + replay + open)", _ms(big["load"]), "", ""],
             [f"reconcile {RECORDS:,} records with {RECORDS:,} listed containers",
              _ms(big["reconcile"]), "", "all matched"],

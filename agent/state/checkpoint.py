@@ -296,12 +296,11 @@ def building_records() -> Iterator[None]:
 KINDS = (Record, GpuRef, PodRef, Response, MountRec, DeviceSpecRec)
 
 
-def record_from_data(value: Any, where: str, replay_module: Any = None) -> Record:
+def record_from_data(value: Any, where: str) -> Record:
     """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad. The
-    common case goes through the replay hot path (agent._fast: the live one unless
-    `replay_module` is given), which takes only well-formed maps; anything else is checked here
-    field by field."""
-    fast = (replay_module or _fast.replay_impl).record(value, KINDS)
+    common case goes through the live replay hot path (agent._fast), which takes only
+    well-formed maps; anything else is checked here field by field."""
+    fast = _fast.replay_impl.record(value, KINDS)
     return _checked_record(value, where) if fast is None else fast
 
 
