@@ -273,10 +273,11 @@ def test_symbols_txt_lists_every_pynvml_symbol():
 
 
 UNIMPLEMENTED = [
-    pytest.param(lambda h: pynvml.nvmlDeviceGetPowerUsage(h), id="power-usage"),
-    pytest.param(lambda h: pynvml.nvmlDeviceGetTemperature(h, 0), id="temperature"),
-    pytest.param(lambda h: pynvml.nvmlDeviceGetClockInfo(h, 0), id="clock-info"),
-    pytest.param(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h), id="utilization"),
+    pytest.param(lambda h: pynvml.nvmlDeviceGetMaxClockInfo(h, 0), id="max-clock"),
+    pytest.param(lambda h: pynvml.nvmlDeviceGetFanSpeed(h), id="fan-speed"),
+    pytest.param(lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h), id="energy"),
+    pytest.param(lambda h: pynvml.nvmlDeviceGetTemperatureThreshold(h, 0),
+                 id="temperature-threshold"),
     pytest.param(lambda h: pynvml.nvmlDeviceGetBoardId(h), id="board-id"),
     pytest.param(lambda h: pynvml.nvmlDeviceGetComputeRunningProcesses(h), id="processes"),
     pytest.param(lambda h: pynvml.nvmlUnitGetCount(), id="unit-count"),

@@ -2,9 +2,12 @@
 
 Owns: the record format of `<control dir>/control.log` and appending records to it (one
 O_APPEND write per record, so concurrent writers never interleave), the Python API
-(`inject_xid`, `inject_xids` for storms, `lose`, `restore`, `ecc`) and the `gpu-agent sim inject-xid|lose|restore|ecc`
-commands built on it. The simulated library (agent/sim/nvml/control.c) is the reader: it
-follows the log with inotify, wakes blocked event waits and derives lost/ECC state from it.
+(`inject_xid`, `inject_xids` for storms, `lose`, `restore`, `ecc`, `set_telemetry`), the
+`telemetry` record's keys and limits (TELEMETRY_KEYS), and the
+`gpu-agent sim inject-xid|lose|restore|ecc|telemetry` commands built on it. The simulated
+library (agent/sim/nvml/control.c) is the reader: it follows the log with inotify, wakes
+blocked event waits and derives lost/ECC/telemetry state from it; every NVML call reads the
+log to its end first, so a record is seen by the next call of any process once written.
 
 Must not read the log back, talk to NVML, or decide what a record means for a GPU: that is
 the library's job, so every process that loaded it sees the same node.
@@ -14,6 +17,7 @@ Record lines (docs/simulator.md):
     ecc gpu=<...> type=sbe|dbe
     lose gpu=<...>
     restore gpu=<...>
+    telemetry gpu=<index|GPU-uuid> KEY=VALUE ...   (keys: TELEMETRY_KEYS)
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 LOG_NAME = "control.log"
 NO_INSTANCE = 0xFFFFFFFF  # GI/CI of an XID that names no MIG instance
 _MAX_U64 = 2**64 - 1
+_MAX_U32 = 2**32 - 1
+_MIB = 1024 * 1024
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
 
 GpuSpec = Union[int, str, None]
@@ -216,6 +222,76 @@ def ecc(control_dir: str | os.PathLike | None, gpu: GpuSpec, double_bit: bool = 
     return append_record(control_dir, f"ecc gpu={_gpu_spec(gpu)} type={kind}")
 
 
+# The keys of a `telemetry` record: the largest value each takes (the library's TELEMETRY_KEYS
+# in agent/sim/nvml/telemetry.c has the same limits) and what it sets. memory_used_mib is
+# further limited by the GPU's memory (total - reserved) when the profile is known.
+TELEMETRY_KEYS: dict[str, tuple[int, str]] = {
+    "gpu_util": (100, "GPU utilization, % (nvmlDeviceGetUtilizationRates .gpu)"),
+    "mem_util": (100, "memory utilization, % (nvmlDeviceGetUtilizationRates .memory)"),
+    "memory_used_mib": (_MAX_U64 // _MIB, "memory used, MiB (nvmlDeviceGetMemoryInfo*: the "
+                                          "v2 .used; v1 .used adds the reserved memory)"),
+    "temperature_c": (200, "GPU temperature, degrees C (nvmlDeviceGetTemperature, sensor 0)"),
+    "power_mw": (_MAX_U32, "power draw, milliwatts (nvmlDeviceGetPowerUsage)"),
+    "sm_clock_mhz": (100000, "SM and graphics clock, MHz (nvmlDeviceGetClockInfo)"),
+    "throttle_reasons": (_MAX_U64, "nvmlClocksEventReason* bit mask "
+                                   "(nvmlDeviceGetCurrentClocksEventReasons/ThrottleReasons)"),
+    "retired_pending": (1, "pages pending retirement, 0|1 "
+                           "(nvmlDeviceGetRetiredPagesPendingStatus; before Ampere)"),
+    "remapped_correctable": (_MAX_U32, "rows remapped for correctable errors "
+                                       "(nvmlDeviceGetRemappedRows; Ampere and newer)"),
+    "remapped_uncorrectable": (_MAX_U32, "rows remapped for uncorrectable errors"),
+    "remapped_pending": (1, "a row remapping is pending, 0|1"),
+    "delay_ms": (600_000, "each telemetry query of this GPU but memory sleeps this long "
+                          "first (0: none)"),
+}
+_FLAG_KEYS = frozenset(k for k, (most, _) in TELEMETRY_KEYS.items() if most == 1)
+
+
+def _profile_gpu(spec: str) -> dict | None:
+    """The GPU `spec` (an index or GPU- UUID) in $GPU_AGENT_SIM_PROFILE's profile, if set."""
+    name = os.environ.get(ENV_PROFILE)
+    if not name:
+        return None
+    gpus = _profile_for_checks(name)["gpus"]
+    if spec.isdigit():
+        return gpus[int(spec)]
+    return next((g for g in gpus if g["uuid"] == spec), None)
+
+
+def _telemetry_value(spec: str, key: str, value) -> int:
+    option = "--" + key.replace("_", "-")
+    if key not in TELEMETRY_KEYS:
+        raise SimError(f"telemetry: unknown key {key!r} (known: {', '.join(TELEMETRY_KEYS)})")
+    if isinstance(value, bool) and key in _FLAG_KEYS:
+        value = int(value)
+    most = TELEMETRY_KEYS[key][0]
+    gpu = _profile_gpu(spec) if key == "memory_used_mib" else None
+    if gpu is not None:
+        most = (gpu["memory"]["total"] - gpu["memory"]["reserved"]) // _MIB
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        where = f" (GPU {spec}'s memory less its reserved memory)" if gpu is not None else ""
+        raise SimError(f"telemetry {key} ({option}) {value!r}: expected an integer from 0 to "
+                       f"{most}{where}")
+    return value
+
+
+def set_telemetry(gpu: int | str, control_dir: str | os.PathLike | None = None,
+                  **values: int) -> str:
+    """Set telemetry values of `gpu` (an index or GPU- UUID; MIG devices have none): keyword
+    arguments named as TELEMETRY_KEYS (`temperature_c=85`, `delay_ms=500`, ...). They hold
+    until set again, in every process that loaded the library, from its next NVML call on.
+    Returns the record written."""
+    spec = _gpu_spec(gpu)
+    if spec.startswith("MIG-"):
+        raise SimError(f"--gpu {spec}: telemetry is per GPU; give its parent GPU's index or "
+                       f"GPU- UUID")
+    if not values:
+        raise SimError(f"telemetry: no values to set (keys: {', '.join(TELEMETRY_KEYS)})")
+    checked = {key: _telemetry_value(spec, key, value) for key, value in values.items()}
+    fields = [f"{key}={checked[key]}" for key in TELEMETRY_KEYS if key in checked]
+    return append_record(control_dir, " ".join([f"telemetry gpu={spec}", *fields]))
+
+
 # ---- command line ----
 
 def _int_arg(text: str) -> int:
@@ -255,8 +331,15 @@ def _cmd_ecc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_telemetry(args: argparse.Namespace) -> int:
+    values = {key: getattr(args, key) for key in TELEMETRY_KEYS
+              if getattr(args, key) is not None}
+    print(set_telemetry(args.gpu, args.control_dir, **values))
+    return 0
+
+
 def add_cli(simsub: argparse._SubParsersAction) -> None:
-    """Declare `gpu-agent sim inject-xid|lose|restore|ecc`."""
+    """Declare `gpu-agent sim inject-xid|lose|restore|ecc|telemetry`."""
     p = simsub.add_parser("inject-xid", help="deliver an XID critical-error event")
     _add_common(p, "GPU index, GPU-/MIG- UUID, or 'none' for an event that names no GPU")
     p.add_argument("--xid", required=True, type=_int_arg, help="the XID number (event data)")
@@ -282,3 +365,12 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
     kind.add_argument("--single-bit", dest="double_bit", action="store_false",
                       help="correctable (event 0x1)")
     p.set_defaults(func=_cmd_ecc)
+
+    p = simsub.add_parser("telemetry", help="set what a GPU's telemetry queries answer",
+                          description="Set telemetry values of a GPU; each holds until set "
+                                      "again. Give at least one.")
+    _add_common(p, "GPU index or GPU- UUID")
+    for key, (most, what) in TELEMETRY_KEYS.items():
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=_int_arg, default=None,
+                       metavar="N", help=f"{what}; 0 to {most}".replace("%", "%%"))
+    p.set_defaults(func=_cmd_telemetry)

@@ -2,8 +2,9 @@
  * control.c: the fault-injection control channel, event sets and event waits.
  *
  * Owns: reading the record log `<GPU_AGENT_SIM_CONTROL>/control.log` (written by
- * `gpu-agent sim inject-xid|lose|restore|ecc`, one record per line, each appended with one
- * O_APPEND write), deriving run-time state from it (lost GPUs, ECC counters), queueing events
+ * `gpu-agent sim inject-xid|lose|restore|ecc|mig|telemetry`, one record per line, each appended
+ * with one O_APPEND write), deriving run-time state from it (lost GPUs, ECC counters, MIG
+ * layouts; telemetry records are handed to telemetry.c), queueing events
  * for the event sets that registered for them, and waking blocked waits through inotify on
  * the control directory plus poll(): an idle wait sleeps in the kernel. Must not write to the
  * control directory (only the commands do) and must not hold the global lock while blocking.
@@ -17,8 +18,13 @@
  *   mig gpu=<index|GPU-uuid> layout=<profile>:<count>[,<profile>:<count>...]
  *   mig gpu=<index|GPU-uuid> create=<profile>
  *   mig gpu=<MIG-uuid> destroy=1
+ *   telemetry gpu=<index|GPU-uuid> KEY=VALUE...   (keys: telemetry.c)
  * At the 0->1 nvmlInit the whole log is replayed for state only (lost, ECC counts, MIG
- * layouts); events are queued only for records appended after that init.
+ * layouts, telemetry); events are queued only for records appended after that init.
+ *
+ * Ordering: every NVML call ingests the log to its end under the global lock before it
+ * answers (sim_enter), so a record whose O_APPEND write has returned is seen by the next call
+ * of any process that loaded the library.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -159,7 +165,7 @@ static const char *field(char *const *keys, char *const *vals, int n, const char
     return NULL;
 }
 
-static int parse_u64(const char *s, unsigned long long *out)
+int sim_parse_u64(const char *s, unsigned long long *out)
 {
     if (!s || !*s || *s == '-')
         return -1;
@@ -331,15 +337,17 @@ static void apply_mig(sim_gpu *g, int gpu, int mig, char *const *keys, char *con
     }
 }
 
+#define MAX_FIELDS 32 /* KEY=VALUE fields a record may have; later ones are dropped */
+
 static void apply_record(char *line, int replay)
 {
-    char *keys[8], *vals[8];
+    char *keys[MAX_FIELDS], *vals[MAX_FIELDS];
     int n = 0;
     char *save = NULL;
     char *op = strtok_r(line, " \t", &save);
     if (!op)
         return;
-    for (char *tok = strtok_r(NULL, " \t", &save); tok && n < 8;
+    for (char *tok = strtok_r(NULL, " \t", &save); tok && n < MAX_FIELDS;
          tok = strtok_r(NULL, " \t", &save)) {
         char *eq = strchr(tok, '=');
         if (!eq)
@@ -359,15 +367,15 @@ static void apply_record(char *line, int replay)
 
     if (strcmp(op, "xid") == 0) {
         unsigned long long xid, gi = 0xFFFFFFFFu, ci = 0xFFFFFFFFu;
-        if (parse_u64(field(keys, vals, n, "xid"), &xid) < 0)
+        if (sim_parse_u64(field(keys, vals, n, "xid"), &xid) < 0)
             return;
         if (mig >= 0) {
             gi = g->migs[mig].gi;
             ci = g->migs[mig].ci;
         }
-        if (field(keys, vals, n, "gi") && parse_u64(field(keys, vals, n, "gi"), &gi) < 0)
+        if (field(keys, vals, n, "gi") && sim_parse_u64(field(keys, vals, n, "gi"), &gi) < 0)
             return;
-        if (field(keys, vals, n, "ci") && parse_u64(field(keys, vals, n, "ci"), &ci) < 0)
+        if (field(keys, vals, n, "ci") && sim_parse_u64(field(keys, vals, n, "ci"), &ci) < 0)
             return;
         if (replay || (g && g->lost))
             return;
@@ -405,6 +413,8 @@ static void apply_record(char *line, int replay)
         g->lost = 0;
     } else if (strcmp(op, "mig") == 0) {
         apply_mig(g, gpu, mig, keys, vals, n);
+    } else if (strcmp(op, "telemetry") == 0 && mig < 0) {
+        sim_telemetry_apply(g, keys, vals, n);
     }
 }
 

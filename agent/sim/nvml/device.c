@@ -7,6 +7,8 @@
  * GPU_IS_LOST for a lost GPU and its MIG devices, NOT_SUPPORTED where the profile has no
  * value (no serial, no NUMA node, no NVLinks, not MIG capable) or for MIG handles on queries
  * that only full GPUs answer. Must not block and must not change state (control.c does).
+ * The telemetry queries (utilization, temperature, power, clocks, retired pages, remapped
+ * rows) are telemetry.c's; the memory queries here read the memory used it may have set.
  */
 #include <stdio.h>
 #include <string.h>
@@ -38,23 +40,12 @@ static nvmlReturn_t enter_scope(nvmlDevice_t device, handle_scope want, int out_
     return rc;
 }
 
-/* Return the error of `call`, an enter function (which releases the lock when it fails). */
-#define TRY_ENTER(call) \
-    do { \
-        nvmlReturn_t enter_rc = (call); \
-        if (enter_rc) \
-            return enter_rc; \
-    } while (0)
-
 /* Open a device query: declare g (the GPU) and m (its MIG device; NULL for a full GPU), enter
  * for `device` within `want`, INVALID_ARGUMENT unless out_ok. Past it the lock is held. */
 #define ENTER(want, device, out_ok) \
     sim_gpu *g; \
     sim_mig *m; \
     TRY_ENTER(enter_scope((device), (want), (out_ok), &g, &m))
-
-/* Release the lock and return rc. */
-#define DONE(rc) do { sim_leave(); return (rc); } while (0)
 
 /*
  * The queries that copy one value of the node into their one output:

@@ -13,6 +13,8 @@
  *   control.c  the control channel (record log + inotify), event sets, waits
  *   system.c   init/shutdown refcount, error strings, system queries
  *   device.c   device, PCI, topology, NVLink, MIG, ECC and event-type queries
+ *   telemetry.c  telemetry (utilization, temperature, power, clocks, retired pages, remapped
+ *              rows): per-product defaults, `telemetry` records, the getters and their delay
  */
 #ifndef GPU_AGENT_SIM_H
 #define GPU_AGENT_SIM_H
@@ -149,6 +151,11 @@ typedef struct {
 } nvmlMemory_t;
 
 typedef struct {
+    unsigned int gpu;    /* % of the last sample period a kernel ran */
+    unsigned int memory; /* % of it device memory was read or written */
+} nvmlUtilization_t;
+
+typedef struct {
     unsigned int version;
     unsigned long long total;
     unsigned long long reserved;
@@ -244,6 +251,24 @@ typedef struct {
 
 enum { SIM_LINK_NONE = 0, SIM_LINK_GPU = 1, SIM_LINK_SWITCH = 2 };
 
+/* How a GPU reports repaired memory: retired pages (before Ampere) or remapped rows. */
+enum { SIM_REPAIR_PAGES = 1, SIM_REPAIR_ROWS = 2 };
+
+/* A GPU's telemetry (telemetry.c): product defaults at init, then `telemetry` records. Memory
+ * used is sim_gpu.mem_used. */
+typedef struct {
+    unsigned int gpu_util, mem_util;     /* % */
+    unsigned int temperature_c;          /* NVML_TEMPERATURE_GPU */
+    unsigned int power_mw, power_limit_mw;
+    unsigned int sm_clock_mhz;           /* also the graphics clock */
+    unsigned int mem_clock_mhz;
+    unsigned long long throttle_reasons; /* nvmlClocksEventReason* bits */
+    int repair;                          /* SIM_REPAIR_PAGES or SIM_REPAIR_ROWS */
+    unsigned int retired_pending;        /* 0 or 1 */
+    unsigned int remapped_correctable, remapped_uncorrectable, remapped_pending;
+    unsigned int delay_ms;               /* every telemetry getter sleeps this long first */
+} sim_telemetry;
+
 typedef struct {
     struct sim_handle h;
     char name[SIM_LEN_NAME];
@@ -275,6 +300,7 @@ typedef struct {
     int lost;
     int events_unsupported;
     unsigned long long ecc_sbe, ecc_dbe;
+    sim_telemetry telemetry;
 } sim_gpu;
 
 typedef struct {
@@ -345,8 +371,18 @@ int sim_control_start(char *err, size_t errlen);
 void sim_control_stop(void);
 /* Read control records appended since the last call (lock held). */
 void sim_control_ingest(void);
+/* A record's unsigned value: decimal, 0x hex or 0 octal; -1 when it is not one. */
+int sim_parse_u64(const char *s, unsigned long long *out);
 
-/* ---- helpers for device.c ---- */
+/* ---- telemetry (telemetry.c) ---- */
+
+/* Set the telemetry defaults of `g` from its product name and compute capability. */
+void sim_telemetry_defaults(sim_gpu *g);
+/* Apply a `telemetry` record's KEY=VALUE fields (the `gpu` key is skipped) to `g`, all or
+ * nothing: an unknown key or a bad value changes nothing. Lock held. */
+void sim_telemetry_apply(sim_gpu *g, char *const *keys, char *const *vals, int n);
+
+/* ---- helpers for device.c and telemetry.c ---- */
 
 /* Lock, check init, ingest, validate `device` and its lost state. On success the lock is
  * held and *gpu / *mig are set (mig NULL for a full GPU); on failure the lock is released. */
@@ -357,5 +393,16 @@ nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig
 SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result);
 void sim_leave(void);
 nvmlReturn_t sim_copy_string(char *dst, unsigned int len, const char *src);
+
+/* Return the error of `call`, an enter function (which releases the lock when it fails). */
+#define TRY_ENTER(call) \
+    do { \
+        nvmlReturn_t enter_rc = (call); \
+        if (enter_rc) \
+            return enter_rc; \
+    } while (0)
+
+/* Release the lock and return rc. */
+#define DONE(rc) do { sim_leave(); return (rc); } while (0)
 
 #endif

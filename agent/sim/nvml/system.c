@@ -108,6 +108,8 @@ static nvmlReturn_t do_init(void)
         rc = node->fault_init;
     }
     if (rc == NVML_SUCCESS) {
+        for (int i = 0; i < node->ngpus; i++)
+            sim_telemetry_defaults(&node->gpus[i]);
         memcpy(&g_node, node, sizeof g_node);
         if (sim_control_start(err, sizeof err) < 0) {
             memset(&g_node, 0, sizeof g_node);
