@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.deps-stamp
 # Debian packages the targets need; installed with apt-get when missing (as root only).
 APT_BUILD := gcc python3-dev python3-venv
 # What `make rpm` and the packaging tests (tests/test_install.py, tests/test_systemd_unit.py)
-# need; `make test` installs them as root only (CI), elsewhere those tests say they skipped.
+# need, and the real Prometheus that tests/test_metrics_prometheus.py scrapes the agent with;
+# `make test` installs them as root only (CI), elsewhere those tests say they skipped.
 APT_RPM   := rpm rpmlint systemd
+APT_TEST  := prometheus
 
 .PHONY: all venv build test test-under-load lint demo proto bench clean rpm rpm-tools
 
@@ -73,7 +75,7 @@ rpm: rpm-tools
 
 rpm-tools:
 	@if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  scripts/apt-install $(APT_RPM); fi
+	  scripts/apt-install $(APT_RPM) $(APT_TEST); fi
 
 # Byte-compiled first, as the RPM installs it (start-up figures would otherwise include
 # compiling every module when PYTHONDONTWRITEBYTECODE is set).

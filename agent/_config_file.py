@@ -204,6 +204,8 @@ SCHEMA: dict = {
         "nvmlLibrary": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,
+        "metricsAddress": OPTION,
+        "nfdFeaturesFile": OPTION,
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,

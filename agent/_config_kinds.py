@@ -231,6 +231,27 @@ class TextKind(Kind):
         return value
 
 
+class ListenAddressKind(Kind):
+    """`[HOST]:PORT` to listen on (no host: every address; IPv6 in brackets; port 0: one the
+    kernel picks, which `gpu-agent status` shows), or "" for off."""
+
+    metavar = "[HOST]:PORT"
+    text_form = "[host]:port, empty for off"
+
+    def check(self, value: str) -> str:
+        if value == "":
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise InvalidValue(f"{value!r} is not [host]:port with a port from 0 to 65535 "
+                               f"(empty turns it off)")
+        if any(ch.isspace() or ord(ch) < 32 for ch in host) or (
+                ":" in host and not (host.startswith("[") and host.endswith("]"))):
+            raise InvalidValue(f"{value!r}: the host must be a name or an address (IPv6 in "
+                               f"brackets)")
+        return value
+
+
 class ConfigFileKind(Kind):
     """The config file path given by --config / CONFIG_FILE; empty means no file."""
 

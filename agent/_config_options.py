@@ -19,6 +19,7 @@ from agent._config_kinds import (
     ConfigFileKind,
     IntervalKind,
     Kind,
+    ListenAddressKind,
     NvmlLibraryKind,
     PathKind,
     PathListKind,
@@ -38,8 +39,10 @@ from agent.constants import (
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBELET_SOCKET,
+    DEFAULT_METRICS_ADDRESS,
     DEFAULT_MIG_CHECK_INTERVAL_S,
     DEFAULT_MIG_STRATEGY,
+    DEFAULT_NFD_FEATURES_FILE,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_RECONCILE_INTERVAL_S,
     DEFAULT_RECOVERY_QUIET_PERIOD_S,
@@ -230,6 +233,19 @@ OPTIONS: tuple[Option, ...] = (
         "create the missing /dev/char/MAJOR:MINOR links of the NVIDIA device nodes under "
         "the device-node root, at start and when nodes appear, so that containers keep their "
         "GPUs across `systemctl daemon-reload` (nvidia-ctk system create-dev-char-symlinks)",
+    ),
+    Option(
+        "metrics_address", "--metrics-address", "GPU_AGENT_METRICS_ADDRESS",
+        "agent.metricsAddress", ListenAddressKind(), DEFAULT_METRICS_ADDRESS,
+        "where the Prometheus endpoint /metrics listens ([host]:port; no host: every "
+        "address); empty: no endpoint",
+    ),
+    Option(
+        "nfd_features_file", "--nfd-features-file", "GPU_AGENT_NFD_FEATURES_FILE",
+        "agent.nfdFeaturesFile", PathKind(empty="no node feature labels"),
+        DEFAULT_NFD_FEATURES_FILE,
+        "the node-feature-discovery features.d file the agent keeps with gpu-feature-discovery's "
+        "labels (written when the GPUs, MIG layout or sharing change); empty: none",
     ),
 )
 

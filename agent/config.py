@@ -97,6 +97,8 @@ class Config(NamedTuple):
     unhealthy_devices_file: str  # "": no isolation file
     cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first
     dev_char_symlinks: bool  # create missing /dev/char links of the NVIDIA nodes (agent.devchar)
+    metrics_address: str  # [host]:port of /metrics (agent.metrics); "": none
+    nfd_features_file: str  # NFD features.d file (agent.rm.labels); "": none
     resources: Resources
     sharing: Sharing
     imex: Imex

@@ -71,3 +71,11 @@ DEFAULT_MIG_CHECK_INTERVAL_S = 5.0
 DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
 # Create the missing /dev/char links of the NVIDIA device nodes (agent.devchar; why: docs).
 DEFAULT_DEV_CHAR_SYMLINKS = True
+# The Prometheus endpoint (agent.metrics). The port collides with none of the GPU node's usual
+# listeners: dcgm-exporter 9400, node-exporter 9100, gpu-manager 5678, kubelet 10250.
+DEFAULT_METRICS_ADDRESS = ":9445"
+# How long a scrape waits for the GPUs' NVML telemetry; a GPU that has not answered by then
+# (a hung call) is left out of that scrape and counted.
+TELEMETRY_BUDGET_S = 0.5
+# NFD's local feature source: node labels with gpu-feature-discovery's names (agent.rm.labels).
+DEFAULT_NFD_FEATURES_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"

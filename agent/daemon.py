@@ -27,6 +27,7 @@ from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
 from agent.nvml.session import NvmlSession
 from agent.rm.resources import Resources, check_supported
+from agent.services import Services
 from agent.signals import Waiter
 from agent.systemd import Notifier
 
@@ -57,7 +58,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.registrar: Registrar | None = None
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
-        self.dev_char: Any = None  # agent.devchar.DevCharLinks: /dev/char links
+        self.services = Services(self, on_change=self._wake)  # /dev/char, metrics, labels
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -81,7 +82,7 @@ class Daemon:
                 log.warning("cannot create the state directory %s: %s", self.cfg.state_dir, exc)
             self._bring_up(first=True)  # registered as early as can be ...
             self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
-            self._start_dev_char()
+            self.services.start(self.cfg)
             if self.notifier.watchdog_interval:
                 self._watchdog_at = time.monotonic()
             self._loop()
@@ -137,6 +138,7 @@ class Daemon:
             if first:  # at start, the registration goes first: nothing else holds the GIL
                 self.registrar.wait_synced(generation, FIRST_REGISTRATION_WAIT_S)
         self.cdi = self.resources.check_cdi(self.cfg)
+        self.services.devices_changed(self.cfg)
         if not self.cfg.plugin_socket_dir:
             self._send_ready()
 
@@ -221,24 +223,8 @@ class Daemon:
         if new is not None:
             log.info("configuration reloaded (reload %d)", self.reloads)
 
-    def _start_dev_char(self) -> None:
-        """Create the missing /dev/char links of the NVIDIA nodes, now and as nodes appear
-        (agent.devchar): containers keep their GPUs across `systemctl daemon-reload`."""
-        from agent import devchar  # after the registration
-
-        if self.dev_char is not None:
-            self.dev_char.stop()
-        self.dev_char = devchar.from_config(self.cfg, on_change=self._wake)
-        if self.dev_char is not None:
-            self.dev_char.start()
-            self._wake()
-
     def _apply_config(self, new: Config) -> None:
-        from agent import devchar  # imported by the start already
-
         old, self.cfg = self.cfg, new
-        if devchar.changed(old, new):
-            self._start_dev_char()
         self.reloads += 1
         self.last_error = ""
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
@@ -254,6 +240,7 @@ class Daemon:
             self._advertise(self.nvml.rediscover(self.resources.gpus), restart_health=health)
         elif self.nvml.retry_at is not None:
             self.nvml.retry_at = time.monotonic()  # try the new settings now
+        self.services.reconfigure(old, new)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -268,8 +255,7 @@ class Daemon:
         if self.state is not None:
             self.state.close()
         self.nvml.close()
-        if self.dev_char is not None:
-            self.dev_char.stop()  # the links stay
+        self.services.stop()
         self.phase = "stopped"
         self.publisher.write(self)
         self.notifier.close()

@@ -99,7 +99,7 @@ def document(d: Any) -> dict:
         "state": d.state.status() if d.state is not None else None,
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
         "health": d.health.status() if d.health is not None else None,
-        "devChar": d.dev_char.status() if getattr(d, "dev_char", None) is not None else None,
+        **d.services.status(),  # devChar, metrics, labels
     }
 
 
@@ -167,6 +167,19 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def _metrics_line(m: dict | None, now: float | None) -> str:
+    if not m:
+        return "metrics: off (agent.metricsAddress is empty)"
+    if not m["listening"]:
+        return f"metrics: not listening: {m['error'] or m['address']}"
+    line = f"metrics: listening on {m['address']} (port {m['port']}), {m['scrapes']} scrapes"
+    if m["lastScrape"] is not None:
+        ago = max(0.0, (now or time.time()) - m["lastScrape"])
+        line += (f", last {ago:.0f} s before this status, took "
+                 f"{m['lastScrapeSeconds'] * 1000:.1f} ms")
+    return line
+
+
 def format_status(doc: dict) -> str:
     from agent.health.monitor import format_status as format_health
     from agent.state.allocations import format_state
@@ -195,6 +208,11 @@ def format_status(doc: dict) -> str:
                      + (f"all {c['wanted']} device names defined" if c["ok"] else
                         f"{len(c['missing'])} of {c['wanted']} device names missing from the "
                         f"specs in {', '.join(c['dirs'])}: {', '.join(c['missing'])}"))
+    lines.append(_metrics_line(doc.get("metrics"), doc.get("updated")))
+    if doc.get("labels", {}).get("file") or doc.get("labels", {}).get("error"):
+        labels = doc["labels"]
+        lines.append(f"node feature labels: {labels['file'] or '-'}"
+                     + (f": {labels['error']}" if labels["error"] else ""))
     if doc.get("state"):
         lines += format_state(doc["state"])
     if doc.get("health"):

@@ -67,6 +67,8 @@ class Node:
         self.isolation = os.path.join(self.root, "unhealthyDevices.json")
         # the node's CDI spec directories, standing in for /etc/cdi and /var/run/cdi (not created)
         self.cdi_dirs = (os.path.join(self.root, "etc-cdi"), os.path.join(self.root, "run-cdi"))
+        # the agent's NFD label file (agent.rm.labels), standing in for NFD's features.d
+        self.features_file = os.path.join(self.root, "features.d", "gpu-agent")
         self.kubelet: SimKubelet | None = None
         self.client = SimKubeletClient(self.kdir)
         self.agents: list[Agent] = []
@@ -96,9 +98,14 @@ class Node:
         return self.write(name, text + (f"faults:\n{faults}" if faults else ""))
 
     def agent(self, *args: str, env: dict | None = None, nvml: bool = True,
-              kubelet: bool = True) -> Agent:
+              kubelet: bool = True, services: bool = True) -> Agent:
+        """`gpu-agent run` on this node; with `services`, the metrics endpoint on a free
+        loopback port and the label file under this node (not the config's to choose)."""
         argv = ["run", "--state-dir", self.state, "--unhealthy-devices-file", self.isolation,
                 "--cdi-spec-dirs", ",".join(self.cdi_dirs)]
+        if services:
+            argv += ["--metrics-address", "127.0.0.1:0", "--nfd-features-file",
+                     self.features_file]
         if kubelet:
             argv += ["--kubelet-socket", self.kubelet_socket,
                      "--pod-resources-socket", self.podresources_socket]

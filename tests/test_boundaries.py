@@ -19,13 +19,13 @@ AGENT = Path(__file__).resolve().parent.parent / "agent"
 # of a higher rank number (further down the chain), never a lower one.
 RANK = {
     "__main__": 0, "demo": 0,
-    "daemon": 1, "status": 1, "doctor": 1,
+    "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1,
     "kubelet": 2,
     "rm": 3, "health": 3, "state": 3,
     "nvml": 4,
     "_fast": 5,
     "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,
-    "devchar": 7, "logs": 7, "deferred": 7,
+    "devchar": 7, "logs": 7, "deferred": 7, "latency": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -39,6 +39,7 @@ FORBIDDEN = {
     "signals": set(RANK) - {"signals"},
     "logs": set(RANK) - {"logs"},
     "deferred": set(RANK) - {"deferred"},
+    "latency": set(RANK) - {"latency"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors", "constants"},
     "host": set(RANK) - {"host", "errors"},

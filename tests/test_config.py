@@ -153,6 +153,9 @@ PRECEDENCE = {
     "cdi_spec_dirs": (["/etc/cdi"], "/env/cdi,/run/cdi", "/flag/cdi",
                       (("/etc/cdi",), ("/env/cdi", "/run/cdi"), ("/flag/cdi",))),
     "dev_char_symlinks": (False, "true", "false", (False, True, False)),
+    "metrics_address": ("127.0.0.1:9445", "", "[::1]:9500",
+                        ("127.0.0.1:9445", "", "[::1]:9500")),
+    "nfd_features_file": ("/etc/nfd/gpu", "", "/flag/gpu", ("/etc/nfd/gpu", "", "/flag/gpu")),
 }
 
 
@@ -948,6 +951,8 @@ VALUES = {
     "recovery_quiet_period": st.sampled_from((0.0, 1.0, 60.0, 90.5)),
     "unhealthy_devices_file": st.one_of(st.just(""), ABS_PATH),
     "dev_char_symlinks": st.booleans(),
+    "metrics_address": st.sampled_from(("", ":9445", "0.0.0.0:0", "[::]:9500", "node-1:65535")),
+    "nfd_features_file": st.one_of(st.just(""), ABS_PATH),
 }
 LAYERS = ("file", "env", "flag")
 

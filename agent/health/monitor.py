@@ -140,6 +140,7 @@ class HealthMonitor:
         self._unsupported: dict[str, str] = {}
         self._probe_failures: dict[str, str] = {}
         self._closed_counts = dict.fromkeys(COUNTERS, 0)
+        self._xids: dict[tuple[int | None, str | None, int], int] = {}  # (index, uuid, xid)
         self.reestablished = 0
         self.wait_errors = 0
         self.loop_errors = 0  # unexpected exceptions caught at the loop boundary
@@ -355,6 +356,9 @@ class HealthMonitor:
         return list(self.gpus)
 
     def _on_event(self, event: Any) -> None:
+        if event.event_type == EVENT_XID_CRITICAL:
+            key = (event.index, event.uuid, event.xid)
+            self._xids[key] = self._xids.get(key, 0) + 1  # this thread is the only writer
         action, reason = self.policy.event_action(event.event_type, event.xid)
         if action not in WITHDRAWING:
             log.debug("event %s: %s", event, reason)
@@ -627,6 +631,18 @@ class HealthMonitor:
                 for key, value in self._es.counters.items():
                     out[key] += value
             return out
+
+    def xid_counts(self) -> dict[tuple[int | None, str | None, int], int]:
+        """(GPU index, GPU UUID, XID) -> XID events delivered to the policy (the ignored ones
+        are filtered before Python and only counted, as `ignored`)."""
+        return dict(self._xids)
+
+    def withdrawn(self) -> dict[str, str]:
+        """device id -> why it is Unhealthy, as a class: its fault's kind (xid, ecc, lost,
+        register, wait) or `isolated` (the isolation file)."""
+        with self._lock:
+            return {i: (self._faults[i].kind if i in self._faults else "isolated")
+                    for i, (healthy, _) in self._applied.items() if not healthy}
 
     def unhealthy(self) -> dict[str, str]:
         """device id -> reason, for every Unhealthy device."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 
 import grpc
 
-from agent import logs
+from agent import latency, logs
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
@@ -96,6 +97,9 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         # container's, and the whole answer to a one-container request (kubelet's usual)
         self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse,
                                         dp.AllocateResponse]] = {}
+        self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
+        self._preferred_latency = latency.histogram("GetPreferredAllocation",
+                                                    self.manager.resource)
 
     def _message(self, r: ContainerResponse) -> tuple[dp.ContainerAllocateResponse,
                                                       dp.AllocateResponse]:
@@ -137,6 +141,20 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             plugin.streams_closed()
 
     def GetPreferredAllocation(self, request, context):
+        started = time.perf_counter()
+        try:
+            return self._preferred(request, context)
+        finally:
+            self._preferred_latency.observe(time.perf_counter() - started)
+
+    def Allocate(self, request, context):
+        started = time.perf_counter()
+        try:
+            return self._allocate(request, context)
+        finally:
+            self._allocate_latency.observe(time.perf_counter() - started)
+
+    def _preferred(self, request, context):
         requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
                                      c.allocation_size) for c in request.container_requests]
         try:
@@ -149,7 +167,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         return dp.PreferredAllocationResponse(container_responses=[
             dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
 
-    def Allocate(self, request, context):
+    def _allocate(self, request, context):
         ids = [list(c.devices_ids) for c in request.container_requests]
         try:
             responses = self.manager.allocate(ids)

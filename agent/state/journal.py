@@ -174,6 +174,7 @@ class Journal:
         self.version = 0  # bumped on every change in memory
         self.writes = 0
         self.syncs = 0
+        self.failures = 0  # writes and syncs that failed (agent.metrics)
         self.compactions = 0
         self.last_write: float | None = None
         self.last_error = ""
@@ -619,6 +620,7 @@ class Journal:
 
     def _failed(self, what: str, exc: OSError) -> None:
         reason = f"cannot {what} the journal {self.path}: {exc.strerror or exc}"
+        self.failures += 1
         if reason != self.failing:
             log.error("%s; Allocate answers UNAVAILABLE until it works again", reason)
         self.failing = self.last_error = reason

@@ -1,0 +1,271 @@
+"""The endpoint's listener and what a scrape gathers: the devices' holders, the telemetry.
+
+Owns: the listening socket on agent.metricsAddress (its thread sleeps in accept() between
+scrapes; the HTTP server and prometheus_client come with the first connection), which container
+holds each device (kubelet's podresources asked at scrape time; the allocation journal's
+attributions while kubelet does not answer), the GPUs' telemetry read through
+agent.nvml.telemetry on a worker pool within a time budget (a GPU that has not answered by then
+is left out and counted, and not asked again while that call still hangs), and the status
+`gpu-agent status` shows. Must not change any part of the daemon it reads, call NVML but
+through agent.nvml.telemetry, or take a lock Allocate waits on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+from agent.constants import TELEMETRY_BUDGET_S
+from agent.errors import PodResourcesError
+from agent.nvml.telemetry import TelemetryReader
+
+log = logging.getLogger(__name__)
+
+
+class Exporter:
+    """The endpoint for daemon `d` (agent.daemon.Daemon: cfg, resources, registrar, health,
+    state, reloads). `start()` listens; `stop()` closes; `status()` is for status.json."""
+
+    def __init__(self, d: Any, address: str, budget_s: float = TELEMETRY_BUDGET_S):
+        self.d = d
+        self.address = address
+        self.budget_s = budget_s
+        self.port: int | None = None
+        self.error = ""
+        self.scrapes = 0
+        self.last_scrape: float | None = None
+        self.last_duration: float | None = None
+        self.reader = TelemetryReader()
+        self.failures: dict[tuple[int, str, str], int] = {}  # (gpu, uuid, cause) -> count
+        self._inflight: dict[str, futures.Future] = {}
+        self._pool = _Workers("metrics-nvml")
+        self._podresources: Any = None
+        self._server: Any = None
+        self._lock = threading.Lock()  # one scrape at a time
+
+    def start(self) -> bool:
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            try:
+                self._server = _Server(host or "::", int(port), self)
+            except OSError:
+                if host:
+                    raise
+                self._server = _Server("0.0.0.0", int(port), self)  # no IPv6 here
+        except OSError as exc:
+            self.error = f"cannot listen on {self.address}: {exc.strerror or exc}"
+            log.error("metrics endpoint: %s (agent.metricsAddress / --metrics-address); "
+                      "serving the GPUs without it", self.error)
+            return False
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve, name="metrics-http", daemon=True).start()
+        log.info("metrics endpoint listening on %s (port %d): /metrics", self.address, self.port)
+        return True
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self._pool.stop()  # a thread in a hung NVML call stays until the process ends
+        if self._podresources is not None:
+            self._podresources.close()
+            self._podresources = None
+
+    def status(self) -> dict:
+        return {"address": self.address, "port": self.port, "listening": self._server is not None,
+                "error": self.error, "scrapes": self.scrapes, "lastScrape": self.last_scrape,
+                "lastScrapeSeconds": self.last_duration}
+
+    # -- a scrape ------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Any]:
+        """prometheus_client's collector protocol: every family, gathered now."""
+        from agent.metrics import families
+
+        with self._lock:
+            started = time.monotonic()
+            try:
+                yield from families.collect(self)
+            finally:
+                self.scrapes += 1
+                self.last_scrape = time.time()
+                self.last_duration = time.monotonic() - started
+
+    def holders(self) -> dict[tuple[str, str], list[tuple[str, str, str]]]:
+        """(resource, device ID) -> the containers holding it: podresources now, else the
+        journal's attributed records."""
+        cfg, holders = self.d.cfg, {}
+        listing = None
+        if cfg.pod_resources_socket:
+            from agent.kubelet.podresources import PodResourcesClient
+
+            if self._podresources is None or \
+                    self._podresources.socket_path != cfg.pod_resources_socket:
+                self._podresources = PodResourcesClient(cfg.pod_resources_socket,
+                                                        timeout=self.budget_s)
+            try:
+                listing = self._podresources.list()
+            except PodResourcesError as exc:
+                log.debug("metrics: podresources: %s; using the journal's attributions", exc)
+        if listing is not None:
+            for p in listing:
+                for device_id in p.device_ids:
+                    holders.setdefault((p.resource, device_id), []).append(
+                        (p.namespace, p.name, p.container))
+        elif self.d.state is not None:
+            for r in self.d.state.journal.records():
+                if r.pod is not None:
+                    for device_id in r.devices:
+                        holders.setdefault((r.resource, device_id), []).append(tuple(r.pod))
+        return holders
+
+    def read(self, gpus: dict[str, int]) -> dict[str, Any]:
+        """uuid -> reading for the GPUs that answered within the budget."""
+        if not gpus or not self.d.nvml.up:
+            return {}
+        submitted = {}
+        for uuid in gpus:
+            busy = self._inflight.get(uuid)
+            if busy is not None and not busy.done():
+                self._count(gpus[uuid], uuid, "busy")
+                continue
+            submitted[uuid] = self._inflight[uuid] = self._pool.submit(self.reader.read, uuid)
+        done, _ = futures.wait(submitted.values(), timeout=self.budget_s)
+        readings = {}
+        for uuid, future in submitted.items():
+            if future not in done:
+                self._count(gpus[uuid], uuid, "timeout")
+                log.warning("metrics: GPU %d %s: NVML did not answer within %g s; left out",
+                            gpus[uuid], uuid, self.budget_s)
+                continue
+            del self._inflight[uuid]
+            if future.exception() is not None:
+                self._count(gpus[uuid], uuid, "error")
+                continue
+            reading = future.result()
+            if reading.errors:
+                self._count(gpus[uuid], uuid, "error")
+                log.debug("metrics: GPU %d %s: %s", gpus[uuid], uuid,
+                          "; ".join(map(str, reading.errors)))
+            readings[uuid] = reading
+        return readings
+
+    def _count(self, index: int, uuid: str, cause: str) -> None:
+        key = (index, uuid, cause)
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+
+class _Workers:
+    """Daemon threads for the NVML reads, made as a scrape needs them (one per GPU at most,
+    plus one per GPU whose call hangs) and then kept idle. Not a ThreadPoolExecutor: its
+    threads are joined when the interpreter exits, so a hung NVML call would hold up the
+    agent's stop."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, fn: Any, *args: Any) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._tasks.put((future, fn, args))
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                return future
+            self._threads += 1
+            name = f"{self.name}-{self._threads}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def stop(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, 0
+        for _ in range(idle):
+            self._tasks.put(None)
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as exc:  # a bug: this GPU is left out of the scrape
+                    log.exception("metrics: reading %s failed", args)
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+class _Server:
+    """A listening socket whose thread sleeps in accept() between scrapes (socketserver's
+    serve_forever() would wake twice a second to look for a stop: `stop()` shuts the socket
+    down instead, which wakes it). The HTTP server and prometheus_client's handler are
+    imported at the first connection: an agent nobody scrapes does not carry them (3 MB)."""
+
+    def __init__(self, host: str, port: int, collector: Any):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind((host, port))
+            self.socket.listen(16)
+        except OSError:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()
+        self.collector = collector
+        self._stopping = False
+        self._http: Any = None
+
+    def serve(self) -> None:
+        while not self._stopping:
+            try:
+                conn, addr = self.socket.accept()
+            except OSError:
+                continue  # shut down (the loop ends), or a connection that went away
+            if self._http is None:
+                self._http = _http_server(self.socket, self.collector)
+            self._http.process_request(conn, addr)  # a thread per scrape
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        self.socket.close()
+
+
+def _http_server(sock: socket.socket, collector: Any) -> Any:
+    """A threading HTTP server around the already listening `sock`, answering with
+    prometheus_client's handler (its exposition format and content negotiation)."""
+    import socketserver
+    from http.server import HTTPServer
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import MetricsHandler
+
+    class Server(socketserver.ThreadingMixIn, HTTPServer):
+        daemon_threads = True
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server = Server(sock.getsockname(), MetricsHandler.factory(registry),
+                    bind_and_activate=False)
+    server.socket.close()
+    server.socket = sock
+    server.server_name, server.server_port = "gpu-agent", sock.getsockname()[1]
+    return server
