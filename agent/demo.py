@@ -79,12 +79,12 @@ def _registered(count: int):
 
 
 def _doctor(work: Path, tree, config_args: list[str], lib: str) -> int:
-    """Step 9: `gpu-agent doctor` on the simulated node, then on the same node without its
+    """Step 11: `gpu-agent doctor` on the simulated node, then on the same node without its
     /dev/char links; the exit code of the first run."""
     argv = [sys.executable, "-m", "agent", "doctor", "--root", tree.root, *config_args]
     shown = " ".join(["gpu-agent", *argv[3:]]).replace(lib, "$(gpu-agent sim lib-path)") \
         .replace(str(work), "$W")
-    say("10. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
+    say("11. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
         f"  {shown}\n  (--root: the simulated driver tree, device nodes recorded with their "
         f"major:minor, /dev/char links, containerd config, toolkit stubs; the rest is the "
         f"agent's own configuration)")
@@ -163,8 +163,10 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                        "--nvml-library", path, "--state-dir", str(work / "state"),
                        "--device-list-strategy", "envvar,cdi-cri",
                        "--cdi-spec-dirs", tree.path("/etc/cdi")]
+        features = work / "features.d" / "gpu-agent"
         agent_args = ["run", *config_args, "--recovery-quiet-period", "1s",
-                      "--unhealthy-devices-file", str(work / "unhealthyDevices.json")]
+                      "--unhealthy-devices-file", str(work / "unhealthyDevices.json"),
+                      "--metrics-address", "127.0.0.1:0", "--nfd-features-file", str(features)]
         say("4. The agent registers with kubelet",
             f"  W={work}\n  gpu-agent " + " ".join(agent_args).replace(path, "$(gpu-agent sim lib-path)")
             .replace(str(work), "$W"))
@@ -271,12 +273,15 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                       res.allocatable,
                       f"GPUs {', '.join(str(by_uuid[d].index) for d in state.pod('trainer').devices(RESOURCE))}"]]))
 
+        from agent.demo_metrics import run_metrics_step
         from agent.demo_mig import run_mig_step
 
-        mig_code = run_mig_step(work, path, "9", table, say, _wait_state)
+        metrics_code = run_metrics_step(str(work / "state"), str(features), str(ctl), "9",
+                                        table, say)
+        mig_code = run_mig_step(work, path, "10", table, say, _wait_state)
         doctor_code = _doctor(work, tree, config_args, path)
 
-        say("11. Clean stop")
+        say("12. Clean stop")
         agent.send_signal(signal.SIGTERM)
         agent_code = agent.wait(10)
         gone = not (dp_dir / "gpu-agent-gpu.sock").exists()
@@ -289,7 +294,8 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
         client.close()
         print(f"  simulated kubelet stopped (exit {code}); NVML shut down")
         library.shutdown()
-        ok = code == 0 and agent_code == 0 and gone and doctor_code == 0 and mig_code == 0
+        ok = code == 0 and agent_code == 0 and gone and doctor_code == 0 and mig_code == 0 \
+            and metrics_code == 0
         return 0 if ok else 1
     finally:
         if agent is not None:

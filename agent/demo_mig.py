@@ -35,7 +35,8 @@ def run_mig_step(work: Path, lib: str, step: str, table, say, wait_state) -> int
     env = {**os.environ, "GPU_AGENT_SIM_PROFILE": PROFILE, "GPU_AGENT_SIM_CONTROL": str(ctl)}
     args = ["run", "--kubelet-socket", str(kdir / "kubelet.sock"), "--pod-resources-socket",
             "", "--nvml-library", lib, "--state-dir", str(root / "state"),
-            "--mig-strategy", "mixed", "--mig-check-interval", "1s"]
+            "--mig-strategy", "mixed", "--mig-check-interval", "1s",
+            "--metrics-address", "", "--nfd-features-file", ""]
     say(f"{step}. MIG: node '{PROFILE}' under migStrategy mixed, reconfigured while it runs",
         "  gpu-agent run --mig-strategy mixed --mig-check-interval 1s ...")
     quiet = logging.getLogger("agent.sim")  # this step's kubelet runs in the demo's process

@@ -18,8 +18,9 @@ def test_demo_walks_through_and_exits_zero(profile):
     out = proc.stdout
     steps = ("1. Simulated GPU node", "2. Topology", "3. Simulated kubelet",
              "4. The agent registers with kubelet", "5. Devices as kubelet sees them",
-             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart", "9. MIG: node",
-             "10. gpu-agent doctor", "11. Clean stop")
+             "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart",
+             "9. Prometheus metrics and node feature labels", "10. MIG: node",
+             "11. gpu-agent doctor", "12. Clean stop")
     positions = [out.find(f"== {step}") for step in steps]
     assert -1 not in positions and positions == sorted(positions), out
     assert "nvidia.com/gpu  gpu-agent-gpu.sock  1              yes" in out  # registered
@@ -33,6 +34,8 @@ def test_demo_walks_through_and_exits_zero(profile):
                      r"allocatable 7/8", out), out
     assert "and a passing NVML probe it is back, allocatable 8/8" in out
     assert re.search(r"nvidia.com/gpu  2 +open +8 +GPUs " + picked.group(1), out), out
+    # the metrics step: the pod's 4 GPUs carry its labels in the scrape
+    assert len(re.findall(r"GPU-\S+ +default/trainer +main\n", out)) == 4, out
     assert re.search(r"0 warn, 0 fail, \d+ skip: exit 0", out), out  # gpu-agent doctor
     assert "FAIL  devices.dev-char" in out  # ... and the node without its /dev/char links
     # the MIG step: a100-mig under mixed, GPU 5 reconfigured to 7x 1g.10gb while it runs
