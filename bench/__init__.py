@@ -50,6 +50,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MB (10^6 bytes; VmRSS is in KiB)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def stop_agent(proc, timeout: float = 30.0) -> None:
+    """SIGTERM an agent process; raise if it does not exit 0 (a bench never hides a failure)."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout)
+    if code != 0:
+        raise RuntimeError(f"the agent exited {code}")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank, of a non-empty sample list."""
     ordered = sorted(samples)

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -28,7 +27,16 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as kctl
 from agent.sim import PROFILES_DIR, lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import AGENT_COMMAND, Section, allocate_timed, cpu_seconds, percentile, sim_node_env
+from bench import (
+    AGENT_COMMAND,
+    Section,
+    allocate_timed,
+    cpu_seconds,
+    percentile,
+    rss_mb,
+    sim_node_env,
+    stop_agent,
+)
 
 SCRAPES = 50
 IDLE_S = 20.0
@@ -92,11 +100,10 @@ class _Agent:
         raise RuntimeError("the metrics endpoint never listened")
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(30)
-        self.log.close()
-        if code != 0:
-            raise RuntimeError(f"the agent exited {code}")
+        try:
+            stop_agent(self.proc)
+        finally:
+            self.log.close()
 
 
 def _scrape(port: int) -> float:
@@ -123,14 +130,6 @@ class _Node:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e6
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def _scrape_times(profile: str) -> tuple[list[float], float]:
     """Scrape times and the agent's RSS after them."""
     node = _Node(profile)
@@ -141,7 +140,7 @@ def _scrape_times(profile: str) -> tuple[list[float], float]:
             for _ in range(5):
                 _scrape(port)
             times = [_scrape(port) for _ in range(SCRAPES)]
-            return times, _rss_mb(agent.proc.pid)
+            return times, rss_mb(agent.proc.pid)
         finally:
             agent.stop()
     finally:
@@ -158,7 +157,7 @@ def _idle_cpu(node: _Node, address: str) -> tuple[float, float]:
         before, t0 = cpu_seconds(agent.proc.pid), time.monotonic()
         time.sleep(IDLE_S)
         cpu = 100 * (cpu_seconds(agent.proc.pid) - before) / (time.monotonic() - t0)
-        return cpu, _rss_mb(agent.proc.pid)
+        return cpu, rss_mb(agent.proc.pid)
     finally:
         agent.stop()
 

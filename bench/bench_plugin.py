@@ -33,7 +33,9 @@ from bench import (
     allocate_concurrently,
     allocate_timed,
     percentile,
+    rss_mb,
     sim_node_env,
+    stop_agent,
 )
 
 RESOURCE = "nvidia.com/gpu"
@@ -44,15 +46,6 @@ ONE_CALLER_CALLS = 2000
 MANY_CALLERS = 64
 CALLS_PER_CALLER = 60
 Kind = ctl.Event.Kind
-
-
-def _rss_mb(pid: int) -> float:
-    """Resident memory in MB (10^6 bytes; VmRSS is in KiB)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e6
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 class _Run:
@@ -68,11 +61,10 @@ class _Run:
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(10)
-        self.log.close()
-        if code != 0:
-            raise RuntimeError(f"the agent exited {code}")
+        try:
+            stop_agent(self.proc, 10)
+        finally:
+            self.log.close()
 
 
 def _next(client: SimKubeletClient, kind: int, after: int, what: str) -> ctl.Event:
@@ -131,7 +123,7 @@ def run() -> Section:
             to_registered.append((registered.time.wall_ns - agent.t0_ns) / 1e9)
             to_devices.append((snapshot.time.wall_ns - agent.t0_ns) / 1e9)
             time.sleep(0.5)  # let start-up settle before reading memory
-            rss_start.append(_rss_mb(agent.proc.pid))
+            rss_start.append(rss_mb(agent.proc.pid))
             agent.stop()
             agent = None
 
@@ -149,7 +141,7 @@ def run() -> Section:
         reloaded = _reloads(agent, config, socket, ids)
         one = _allocate_one_caller(socket, ids)
         many, wall = _allocate_many_callers(socket, ids)
-        rss_after_load = _rss_mb(agent.proc.pid)
+        rss_after_load = rss_mb(agent.proc.pid)
 
         re_registered, re_listed = [], []
         for _ in range(RESTARTS):

@@ -89,6 +89,15 @@ def _device_text(d) -> str:
     return f"{d.id} (MIG {d.index} on GPU {d.gpu_index} {d.gpu_uuid})"
 
 
+def _timed(histogram: latency.Histogram, handler, request, context):
+    """handler(request, context), its time (refused calls too) observed in `histogram`."""
+    started = time.perf_counter()
+    try:
+        return handler(request, context)
+    finally:
+        histogram.observe(time.perf_counter() - started)
+
+
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
@@ -141,18 +150,10 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             plugin.streams_closed()
 
     def GetPreferredAllocation(self, request, context):
-        started = time.perf_counter()
-        try:
-            return self._preferred(request, context)
-        finally:
-            self._preferred_latency.observe(time.perf_counter() - started)
+        return _timed(self._preferred_latency, self._preferred, request, context)
 
     def Allocate(self, request, context):
-        started = time.perf_counter()
-        try:
-            return self._allocate(request, context)
-        finally:
-            self._allocate_latency.observe(time.perf_counter() - started)
+        return _timed(self._allocate_latency, self._allocate, request, context)
 
     def _preferred(self, request, context):
         requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
