@@ -42,6 +42,7 @@ class Exporter:
         self.last_scrape: float | None = None
         self.last_duration: float | None = None
         self.reader = TelemetryReader()
+        self._nvml_attempts = 0  # the NVML session the reader's handles belong to
         self.failures: dict[tuple[int, str, str], int] = {}  # (gpu, uuid, cause) -> count
         self._inflight: dict[str, futures.Future] = {}
         self._pool = _Workers("metrics-nvml")
@@ -130,6 +131,8 @@ class Exporter:
         """uuid -> reading for the GPUs that answered within the budget."""
         if not gpus or not self.d.nvml.up:
             return {}
+        if self.d.nvml.attempts != self._nvml_attempts:  # NVML initialised again: new handles
+            self.reader, self._nvml_attempts = TelemetryReader(), self.d.nvml.attempts
         submitted = {}
         for uuid in gpus:
             busy = self._inflight.get(uuid)
