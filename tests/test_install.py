@@ -129,7 +129,8 @@ def test_the_package_says_what_it_needs_and_offers_nothing_of_its_venv(rpms):
     assert files["/etc/gpu-agent/config.yaml"] == "cn"  # %config(noreplace)
     for path in ("/usr/bin/gpu-agent", "/usr/lib/systemd/system/gpu-agent.service",
                  "/var/lib/gpu-agent", f"/{VENV}/pyvenv.cfg",
-                 "/usr/share/doc/gpu-agent/install.md", "/usr/share/licenses/gpu-agent/LICENSE"):
+                 "/usr/share/doc/gpu-agent/install.md", "/usr/share/licenses/gpu-agent/LICENSE",
+                 "/usr/share/gpu-agent/gpu-agent-dashboard.json"):
         assert path in files, path
     assert not [f for f in files if f.startswith("/usr/lib/.build-id")]
     scripts = query(rpm_file, "--scripts")
@@ -231,6 +232,8 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
     assert (root / "usr/lib/systemd/system/gpu-agent.service").read_bytes() == \
         (ROOT / "systemd/gpu-agent.service").read_bytes()
     assert (root / "var/lib/gpu-agent").is_dir()
+    assert (root / "usr/share/gpu-agent/gpu-agent-dashboard.json").read_bytes() == \
+        (ROOT / "packaging/grafana/gpu-agent-dashboard.json").read_bytes()
     assert not list((root / VENV).glob("lib/python*/site-packages/agent/_fast/*.c"))
     leftovers = subprocess.run(["grep", "-rlE", "BUILDROOT|/rpmbuild/|buildenv-gpu-agent",
                                 str(root / VENV)], capture_output=True, text=True)
@@ -267,7 +270,7 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
     assert systemctl_calls(root) == ["--no-reload disable --now gpu-agent.service",
                                      "daemon-reload"]
     for path in (VENV, "usr/bin/gpu-agent", "usr/lib/systemd/system/gpu-agent.service",
-                 "etc/gpu-agent/config.yaml", "usr/share/doc/gpu-agent"):
+                 "etc/gpu-agent/config.yaml", "usr/share/doc/gpu-agent", "usr/share/gpu-agent"):
         assert not os.path.lexists(root / path), path
     assert (root / "etc/gpu-agent/config.yaml.rpmsave").read_text() == operator_config
     assert state.read_bytes() == b"\x81\xa1v\x01"
