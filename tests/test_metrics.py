@@ -8,6 +8,7 @@ tests/test_metrics_prometheus.py.
 from __future__ import annotations
 
 import signal
+import socket
 import time
 import urllib.request
 
@@ -134,6 +135,7 @@ def test_build_info_names_the_live_implementation(node):
     node.agent().wait_registered()
     (lab, v), = samples(metrics_port(node), "gpu_agent_build_info")
     assert v == 1.0 and lab["implementation"] == "python" and lab["version"]
+    assert lab["hostname"] == socket.gethostname()
 
 
 def test_status_shows_the_endpoint_and_the_last_scrape(running):

@@ -8,6 +8,7 @@ agent.metrics.exporter reads NVML, podresources and the daemon's parts.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,9 +81,11 @@ def collect(x: Any) -> Iterator[Any]:
 
 def _agent(x: Any) -> Iterator[Any]:
     d = x.d
-    info = InfoMetricFamily(f"{NS}_build", "The running agent",
-                            labels=("version", "implementation"))
-    info.add_metric([__version__, _fast.IMPLEMENTATION], {})
+    info = InfoMetricFamily(f"{NS}_build", "The running agent: its version, whether the hot "
+                            "paths are compiled (cython) or the twins (python), and the host "
+                            "name (usually the Kubernetes node name)",
+                            labels=("version", "implementation", "hostname"))
+    info.add_metric([__version__, _fast.IMPLEMENTATION, socket.gethostname()], {})
     yield info
     durations = HistogramMetricFamily(f"{NS}_rpc_duration_seconds", "Time to answer a "
                                       "device-plugin call from kubelet, by method",
