@@ -39,7 +39,7 @@ from bench import (
 )
 
 SCRAPES = 50
-IDLE_S = 20.0
+IDLE_S = 30.0
 ALLOCATE_BLOCK = 2500  # calls per block; blocks alternate scraped / not scraped
 BLOCKS = 4
 RESOURCE = "nvidia.com/gpu"
