@@ -104,6 +104,6 @@ class Services:
         if cfg.metrics_address:
             from agent.metrics.exporter import Exporter  # after the registration
 
-            self.metrics = Exporter(self.d, cfg.metrics_address)
+            self.metrics = Exporter(self.d, cfg.metrics_address, on_scrape=self.on_change)
             self.metrics.start()
             self.on_change()

@@ -140,9 +140,12 @@ def test_build_info_names_the_live_implementation(node):
 
 def test_status_shows_the_endpoint_and_the_last_scrape(running):
     node, _, port = running
-    scrape(port)
-    out = node.status_with(f"(port {port}), 1 scrapes")
-    assert f"metrics: listening on 127.0.0.1:0 (port {port}), 1 scrapes, last" in out
+    node.status_when(lambda d: d["phase"] == "running" and d["state"]["podResources"]
+                     ["reconciles"] >= 1, "the first reconcile")  # nothing else to publish
+    for n in (1, 2, 3):  # each scrape reaches status.json on its own
+        scrape(port)
+        out = node.status_with(f"(port {port}), {n} scrapes")
+        assert f"metrics: listening on 127.0.0.1:0 (port {port}), {n} scrapes, last" in out
 
 
 def test_an_empty_address_turns_the_endpoint_off(node):

@@ -32,8 +32,10 @@ class Exporter:
     """The endpoint for daemon `d` (agent.daemon.Daemon: cfg, resources, registrar, health,
     state, reloads). `start()` listens; `stop()` closes; `status()` is for status.json."""
 
-    def __init__(self, d: Any, address: str, budget_s: float = TELEMETRY_BUDGET_S):
+    def __init__(self, d: Any, address: str, budget_s: float = TELEMETRY_BUDGET_S,
+                 on_scrape: Any = None):
         self.d = d
+        self.on_scrape = on_scrape or (lambda: None)  # the daemon's wake: status shows it
         self.address = address
         self.budget_s = budget_s
         self.port: int | None = None
@@ -98,6 +100,7 @@ class Exporter:
                 self.scrapes += 1
                 self.last_scrape = time.time()
                 self.last_duration = time.monotonic() - started
+                self.on_scrape()
 
     def holders(self) -> dict[tuple[str, str], list[tuple[str, str, str]]]:
         """(resource, device ID) -> the containers holding it: podresources now, else the
