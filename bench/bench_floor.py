@@ -24,8 +24,8 @@ import grpc
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, allocate_concurrently, allocate_timed, percentile, sim_node_env
-from bench.bench_plugin import Kind, _next, _rss_mb, _Run
+from bench import Section, allocate_concurrently, allocate_timed, percentile, rss_mb, sim_node_env
+from bench.bench_plugin import Kind, _next, _Run
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"  # a smoke run: a tenth of the calls
 SCALE = 10 if QUICK else 1
@@ -90,7 +90,7 @@ class _Agent:
         self.run = _Run(self.work, kdir, env)
         _next(client, Kind.SNAPSHOT, after, "first device list")
         time.sleep(0.5)  # let start-up settle before reading memory
-        self.rss_start = _rss_mb(self.run.proc.pid)
+        self.rss_start = rss_mb(self.run.proc.pid)
         res = client.state().resource("nvidia.com/gpu")
         self.socket = os.path.join(kdir, res.endpoint)
         self.ids = sorted(d.id for d in res.devices)[:2]
@@ -181,7 +181,7 @@ def run() -> Section:
         floor_last = allocate_timed(floor_stub, request, EDGE)
         last = allocate_timed(stub, request, EDGE)
         time.sleep(0.5)
-        rss_after = _rss_mb(agent.run.proc.pid)
+        rss_after = rss_mb(agent.run.proc.pid)
         rss_start = agent.rss_start
         channel.close()
         floor_channel.close()
