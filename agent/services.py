@@ -46,9 +46,8 @@ class Services:
             self._start_dev_char(new)
         if old.metrics_address != new.metrics_address:
             self._start_metrics(new)
-        if old.nfd_features_file != new.nfd_features_file:
-            self.labels = None  # the old file stays: NFD keeps a file nobody updates
-        self.devices_changed(new)
+        # the label file follows in devices_changed(), which the reload's re-advertising calls
+        # (a new path gets a new FeatureFile there; the old file stays, nobody updates it)
 
     def devices_changed(self, cfg: Config) -> None:
         """The GPUs, the MIG layout or the config changed: bring the label file up to date."""
