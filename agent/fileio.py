@@ -2,7 +2,8 @@
 
 Owns: `write_atomic`, the one way such a file is written: a temp file beside it, write, fsync,
 rename over the file, fsync of the directory, so that a crash at any point leaves the old file
-or the new one, never a mix; and `fsync_dir`. Must not import anything of `agent` but `errors`
+or the new one, never a mix (the fsyncs left out for a file rebuilt at every start); and
+`fsync_dir`. Must not import anything of `agent` but `errors`
 and `constants`, nor know what the files hold or log: callers report the OSError.
 """
 
@@ -25,10 +26,14 @@ def fsync_dir(directory: str) -> None:
         os.close(dfd)
 
 
-def write_atomic(path: str, data: bytes | Iterable[bytes], mode: int = 0o600) -> None:
+def write_atomic(path: str, data: bytes | Iterable[bytes], mode: int = 0o600,
+                 durable: bool = True) -> None:
     """Replace the file at `path` with `data` (bytes, or pieces of bytes written one after
     another), durably: into `path` + TEMP_SUFFIX, created with exactly `mode` (whatever the
-    umask), fsynced, renamed over `path`, then the directory fsynced.
+    umask), fsynced, renamed over `path`, then the directory fsynced. `durable=False` skips
+    both fsyncs, for a file the agent rewrites from memory at every start (the status): a
+    crash of the agent still leaves the old file or the new one, a power loss may leave
+    either or an empty one.
 
     On any failure (an OSError, or an exception raised while producing `data`) the temp file is
     removed and the exception propagates; `path` is then as it was. The temp name is fixed, so
@@ -44,7 +49,8 @@ def write_atomic(path: str, data: bytes | Iterable[bytes], mode: int = 0o600) ->
             else:
                 f.writelines(data)
             f.flush()
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -52,4 +58,5 @@ def write_atomic(path: str, data: bytes | Iterable[bytes], mode: int = 0o600) ->
         except OSError:
             pass  # never created, or the directory is gone: nothing to clean
         raise
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))

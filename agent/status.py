@@ -137,7 +137,9 @@ class Publisher:
             self._state_written = d.state.version
         path = os.path.join(d.cfg.state_dir, STATUS_FILE)
         try:
-            write_atomic(path, (json.dumps(document(d), indent=1) + "\n").encode(), mode=0o644)
+            # Not fsynced: rewritten from memory at every start, and at most once a loop tick.
+            write_atomic(path, (json.dumps(document(d), indent=1) + "\n").encode(), mode=0o644,
+                         durable=False)
         except OSError as exc:
             if not self._warned:
                 log.warning("cannot write %s: %s", path, exc)

@@ -68,6 +68,19 @@ def test_the_file_then_the_directory_are_fsynced(tmp_path, monkeypatch):
     assert synced == ["file", "dir"]
 
 
+def test_a_file_rebuilt_at_every_start_is_replaced_without_fsyncs(tmp_path, monkeypatch):
+    # status.json: rewritten each loop tick, rebuilt from memory at start; not worth 2 fsyncs
+    path = tmp_path / "status.json"
+    path.write_bytes(b"old\n")
+    before = os.stat(path).st_ino
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    write_atomic(str(path), b"new\n", mode=0o644, durable=False)
+    assert (path.read_bytes(), synced) == (b"new\n", [])
+    assert os.stat(path).st_ino != before and stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["status.json"]
+
+
 def test_data_that_raises_leaves_the_old_file_and_no_temp_file(tmp_path):
     path = tmp_path / "checkpoint"
     path.write_bytes(b"old")
