@@ -96,6 +96,12 @@ class Services:
             self.dev_char.start()
             self.on_change()
 
+    def _scraped(self) -> None:
+        # Marked, not woken: the loop's next tick (at most LOOP_TICK_S away) writes the status.
+        # A wake per scrape would write status.json while the scrape's own work still runs,
+        # and that CPU comes out of the Allocates answered at the same time.
+        self.d.publisher.dirty = True
+
     def _start_metrics(self, cfg: Config) -> None:
         if self.metrics is not None:
             self.metrics.stop()
@@ -103,6 +109,6 @@ class Services:
         if cfg.metrics_address:
             from agent.metrics.exporter import Exporter  # after the registration
 
-            self.metrics = Exporter(self.d, cfg.metrics_address, on_scrape=self.on_change)
+            self.metrics = Exporter(self.d, cfg.metrics_address, on_scrape=self._scraped)
             self.metrics.start()
             self.on_change()
