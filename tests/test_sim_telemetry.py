@@ -237,6 +237,30 @@ def test_ampere_and_newer_remap_rows_and_retire_no_pages(node, sim_control, name
                  lambda h: pynvml.nvmlDeviceGetRetiredPages_v2(h, 1)):
         with pytest.raises(NOT_SUPPORTED):
             call(h)
+    control.set_telemetry(2, sim_control, remapped_failed=1)
+    assert pynvml.nvmlDeviceGetRemappedRows(h) == (3, 1, 1, 1)
+
+
+def recovery_action(h, *more_fields: int) -> list[tuple[int, int]]:
+    """(nvmlReturn, value) of the recovery action field, then of each field in more_fields."""
+    values = pynvml.nvmlDeviceGetFieldValues(
+        h, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, *more_fields])
+    return [(v.nvmlReturn, v.value.uiVal) for v in values]
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100", "dgx-h100"])
+def test_the_recovery_action_field_reads_what_was_set_and_other_fields_are_not_supported(
+        node, sim_control, name):
+    node(name)
+    none = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    assert recovery_action(handle(3)) == [(pynvml.NVML_SUCCESS, none)]
+    control.set_telemetry(3, sim_control, recovery_action=pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+    got = recovery_action(handle(3), pynvml.NVML_FI_DEV_ECC_CURRENT)
+    assert got[0] == (pynvml.NVML_SUCCESS, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+    assert got[1][0] == pynvml.NVML_ERROR_NOT_SUPPORTED  # the call succeeds, the field does not
+    assert recovery_action(handle(2)) == [(pynvml.NVML_SUCCESS, none)]  # per GPU
+    with pytest.raises(SimError, match="recovery_action"):
+        control.set_telemetry(3, sim_control, recovery_action=8)
 
 
 # ---- NVML's errors ----

@@ -241,6 +241,12 @@ TELEMETRY_KEYS: dict[str, tuple[int, str]] = {
                                        "(nvmlDeviceGetRemappedRows; Ampere and newer)"),
     "remapped_uncorrectable": (_MAX_U32, "rows remapped for uncorrectable errors"),
     "remapped_pending": (1, "a row remapping is pending, 0|1"),
+    "remapped_failed": (1, "a row remapping failed, 0|1 (nvmlDeviceGetRemappedRows "
+                           "failureOccurred)"),
+    "recovery_action": (7, "the driver's recovery action (nvmlDeviceGetFieldValues "
+                           "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): 0 none, 1 GPU reset, 2 node "
+                           "reboot, 3 drain P2P, 4 drain and reset, 5 recover IMEX domain, 6 "
+                           "bus reset, 7 system reboot"),
     "delay_ms": (600_000, "each telemetry query of this GPU but memory sleeps this long "
                           "first (0: none)"),
 }

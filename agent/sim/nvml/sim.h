@@ -266,6 +266,8 @@ typedef struct {
     int repair;                          /* SIM_REPAIR_PAGES or SIM_REPAIR_ROWS */
     unsigned int retired_pending;        /* 0 or 1 */
     unsigned int remapped_correctable, remapped_uncorrectable, remapped_pending;
+    unsigned int remapped_failed;        /* 0 or 1: a row remapping failed */
+    unsigned int recovery_action;        /* NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, 0 (none) to 7 */
     unsigned int delay_ms;               /* every telemetry getter sleeps this long first */
 } sim_telemetry;
 

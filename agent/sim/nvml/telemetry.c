@@ -1,14 +1,15 @@
 /*
  * telemetry.c: the GPU telemetry queries an exporter reads at scrape time: utilization,
  * temperature, power and its enforced limit, clocks, clock event (throttle) reasons, retired
- * pages and remapped rows.
+ * pages and remapped rows; and the driver's recovery action (a field value), which the health
+ * monitor's recovery probe reads with the pending pages and rows.
  *
  * Owns: each GPU's telemetry defaults (from its product name and compute capability, at
  * init), the `telemetry` control record's keys and their limits (applied all or nothing; the
  * writer, agent/sim/control.py, checks the same ones), the getters with NVML's signatures and
  * return codes, and `delay_ms`: a getter on a GPU with a delay sleeps that long, without the
  * global lock, before it answers, as a GPU whose NVML calls hang. Must not delay any other
- * query (discovery, memory, ECC, events and the health probes stay prompt) and must not
+ * query (discovery, memory, ECC, events and the probe's identity queries stay prompt) and must not
  * change state outside `sim_gpu.telemetry` and the memory used of a `telemetry` record.
  *
  * Which GPUs answer what: MIG handles get NOT_SUPPORTED from every getter here (NVML answers
@@ -33,6 +34,9 @@
 #define SIM_TEMPERATURE_GPU 0 /* NVML_TEMPERATURE_GPU; other sensors are not modelled */
 enum { SIM_CLOCK_GRAPHICS = 0, SIM_CLOCK_SM = 1, SIM_CLOCK_MEM = 2 };
 #define SIM_CLOCKS_EVENT_GPU_IDLE 0x1ULL /* nvmlClocksEventReasonGpuIdle */
+#define SIM_FI_GPU_RECOVERY_ACTION 230 /* NVML_FI_DEV_GET_GPU_RECOVERY_ACTION */
+#define SIM_RECOVERY_ACTION_MAX 7     /* NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT */
+#define SIM_VALUE_TYPE_UNSIGNED_INT 1 /* NVML_VALUE_TYPE_UNSIGNED_INT */
 
 /* ---- defaults ---- */
 
@@ -94,6 +98,8 @@ void sim_telemetry_defaults(sim_gpu *g)
     X(remapped_correctable, MAX_U32, remapped_correctable) \
     X(remapped_uncorrectable, MAX_U32, remapped_uncorrectable) \
     X(remapped_pending, 1, remapped_pending) \
+    X(remapped_failed, 1, remapped_failed) \
+    X(recovery_action, SIM_RECOVERY_ACTION_MAX, recovery_action) \
     X(delay_ms, MAX_DELAY_MS, delay_ms)
 
 void sim_telemetry_apply(sim_gpu *g, char *const *keys, char *const *vals, int n)
@@ -257,6 +263,51 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned 
     *corrRows = t->remapped_correctable;
     *uncRows = t->remapped_uncorrectable;
     *isPending = t->remapped_pending;
-    *failureOccurred = 0;
+    *failureOccurred = t->remapped_failed;
+    DONE(NVML_SUCCESS);
+}
+
+/* nvmlFieldValue_t and nvmlValue_t as nvml.h lays them out. */
+typedef union {
+    double dVal;
+    int siVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    unsigned short usVal;
+} sim_value;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    sim_value value;
+} sim_field_value;
+
+/* Field values: the GPU recovery action only; any other field answers NOT_SUPPORTED in its
+ * own nvmlReturn while the call succeeds, as NVML does for fields a GPU lacks. */
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                                 sim_field_value *values)
+{
+    ENTER_TELEMETRY(device, values != NULL && valuesCount > 0);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (int i = 0; i < valuesCount; i++) {
+        sim_field_value *v = &values[i];
+        v->timestamp = (long long)now.tv_sec * 1000000LL + now.tv_nsec / 1000;
+        v->latencyUsec = 0;
+        memset(&v->value, 0, sizeof v->value);
+        if (v->fieldId == SIM_FI_GPU_RECOVERY_ACTION) {
+            v->valueType = SIM_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = t->recovery_action;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
     DONE(NVML_SUCCESS);
 }
