@@ -95,7 +95,8 @@ class HealthMonitor:
     """Health of the advertised `devices` (agent.rm.devices.Device) on the physical `gpus`
     (agent.nvml.discovery.Gpu). `start()` applies the recorded faults and the isolation file
     before it returns (so the first ListAndWatch snapshot already has them), then runs.
-    `recovery_probe` replaces agent.nvml.probe.probe (tests hold a probe in flight with it)."""
+    `recovery_probe` replaces agent.nvml.probe.recovery_probe (tests hold a probe in flight
+    with it)."""
 
     def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
                  policy: XidPolicy, sink: Sink, state_dir: str | None = None,
@@ -110,7 +111,7 @@ class HealthMonitor:
         self.isolation_file = isolation_file
         self.events = events_module or _fast.events_impl
         self.on_change = on_change or (lambda: None)
-        self.recovery_probe = recovery_probe or probe.probe
+        self.recovery_probe = recovery_probe or probe.recovery_probe
         self.gpus = {g.uuid: g for g in sorted(gpus, key=lambda g: g.index)}
         self.by_index = {g.index: g.uuid for g in gpus}
         self.devices = {d.id: d for d in devices}
