@@ -106,6 +106,21 @@ def test_event_actions_name_the_xid_and_what_to_do():
     assert p.event_action(0x4, 0)[0] == IGNORE
 
 
+def test_xid_154_takes_its_class_from_the_recovery_action_the_driver_reports_now():
+    p = XidPolicy.build()
+    # NVML_GPU_RECOVERY_ACTION_*: 0 none, 1 GPU reset, 2 node reboot, 4 drain and reset, 7 system
+    assert [p.event_action(0x8, 154, a)[0] for a in (0, 1, 2, 4, 7)] == \
+        [RESET, RESET, REBOOT, RESET, REBOOT]
+    assert p.event_action(0x8, 154, 1)[1] == \
+        "XID 154 (GPU recovery action changed, now 1): GPU reset required"
+    assert p.event_action(0x8, 154) == p.event_action(0x8, 154, None) == \
+        (REBOOT, "XID 154 (GPU recovery action changed): node reboot required")  # not read
+    assert p.event_action(0x8, 48, 2)[0] == RESET  # only XID 154 asks the driver
+    # an operator who turned XID 154 off keeps it off whatever the driver says
+    assert XidPolicy.build("154").event_action(0x8, 154, 2)[0] == IGNORE
+    assert XidPolicy.build(overrides=[(154, "ignore")]).event_action(0x8, 154, 2)[0] == IGNORE
+
+
 def test_xids_beyond_the_filter_are_decided_in_python():
     p = XidPolicy.build("5000")
     assert max(p.filtered_xids()) < 1024

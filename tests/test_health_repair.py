@@ -76,3 +76,36 @@ def test_what_the_driver_does_not_offer_is_not_asked_for():
                            f"{uuid} back")
             assert "not recovered yet" not in agent.log
             assert agent.stop() == 0
+
+
+def test_xid_154_reads_the_recovery_action_a_reset_returns_when_done_a_reboot_stays(tmp_path):
+    uuids = [g["uuid"] for g in load_profile("dgx-h100")["gpus"]]
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-a\n")
+    with Node(profile="dgx-h100") as node:
+        agent = node.agent("--recovery-quiet-period", "0.5s",
+                           env=node.env(GPU_AGENT_BOOT_ID_FILE=str(boot)))
+        agent.wait_registered()
+        control.set_telemetry(1, node.ctl, recovery_action=1)  # GPU reset
+        control.set_telemetry(5, node.ctl, recovery_action=2)  # node reboot
+        control.inject_xid(node.ctl, 1, 154)
+        control.inject_xid(node.ctl, 5, 154)
+        agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) ==
+                       {uuids[1], uuids[5]}, "GPUs 1 and 5 withdrawn")
+        agent.wait_log(f"GPU 1 {uuids[1]}: unhealthy [xid=154 action=reset]: XID 154 (GPU "
+                       f"recovery action changed, now 1): GPU reset required")
+        agent.wait_log(f"GPU 5 {uuids[5]}: unhealthy [xid=154 action=reboot]: XID 154 (GPU "
+                       f"recovery action changed, now 2): node reboot required")
+        agent.wait_log(f"GPU 1 {uuids[1]}: not recovered yet: the driver asks for a GPU reset")
+        control.set_telemetry(1, node.ctl, recovery_action=0)  # the reset was done
+        control.set_telemetry(5, node.ctl, recovery_action=0)  # a reboot-class fault waits
+        agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == {uuids[5]},
+                       "GPU 1 back, GPU 5 still out")
+        assert agent.stop() == 0
+        # the reboot-class fault is kept across a restart in the same boot, as XID 79's
+        agent = node.agent("--recovery-quiet-period", "0.5s",
+                           env=node.env(GPU_AGENT_BOOT_ID_FILE=str(boot)))
+        registration = agent.wait_registered(registrations=2).registrations
+        first = next(s for s in node.client.snapshots(GPU) if s.registration == registration)
+        assert unhealthy(first) == {uuids[5]}
+        assert agent.stop() == 0

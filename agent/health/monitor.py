@@ -50,6 +50,7 @@ from agent.health.policy import (
     ACTION_TEXT,
     RESET,
     WITHDRAWING,
+    XID_RECOVERY_ACTION_CHANGED,
     XidPolicy,
 )
 from agent.health.recovery import STRENGTH, Fault, FaultFile, reset_may_recover
@@ -369,6 +370,10 @@ class HealthMonitor:
             log.warning("%s on GPU %s %s, which the agent did not discover: ignored", reason,
                         event.index, event.uuid)
             return
+        if event.event_type == EVENT_XID_CRITICAL and len(targets) == 1 and \
+                event.xid == XID_RECOVERY_ACTION_CHANGED:  # what the driver asks for now
+            action, reason = self.policy.event_action(  # NVML: not under the lock
+                event.event_type, event.xid, probe.recovery_action(targets[0]))
         if event.uuid is None and event.index is None:
             reason += " (the event names no GPU: every GPU is withdrawn)"
         kind = "xid" if event.event_type == EVENT_XID_CRITICAL else "ecc"

@@ -33,6 +33,11 @@ ACTION_TEXT = {
     REBOOT: "node reboot required",
 }
 
+# XID 154 says the driver's GPU recovery action changed; these actions need the node rebooted
+# (NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, _SYSTEM_REBOOT), the others a reset or less.
+XID_RECOVERY_ACTION_CHANGED = 154
+REBOOT_RECOVERY_ACTIONS = frozenset((2, 7))
+
 # NVIDIA's device plugin ignores these ("application errors: the GPU should still be healthy").
 NVIDIA_IGNORED = (13, 31, 43, 45, 68, 109)
 
@@ -195,8 +200,18 @@ class XidPolicy:
         return tuple(x for x in range(XID_FILTER_SIZE)
                      if self._action(x, disabled, enabled) not in WITHDRAWING)
 
-    def event_action(self, event_type: int, xid: int) -> tuple[str, str]:
-        """(action, reason) for an event the filter let through."""
+    def event_action(self, event_type: int, xid: int,
+                     recovery_action: int | None = None) -> tuple[str, str]:
+        """(action, reason) for an event the filter let through. For XID 154 (the driver's
+        recovery action changed), `recovery_action` is the action the driver reports now
+        (NVML_GPU_RECOVERY_ACTION_*; None: not offered or not read): a withdrawing XID 154 is
+        reboot-class when the driver asks for a reboot, reset-class otherwise (the recovery
+        probe then keeps the GPU out until the action is back to none)."""
+        if event_type == EVENT_XID_CRITICAL and xid == XID_RECOVERY_ACTION_CHANGED and \
+                recovery_action is not None and self.action(xid) in WITHDRAWING:
+            action = REBOOT if recovery_action in REBOOT_RECOVERY_ACTIONS else RESET
+            return action, (f"XID {xid} ({self.describe(xid) or 'GPU recovery action changed'}"
+                            f", now {recovery_action}): {ACTION_TEXT[action]}")
         if event_type == EVENT_XID_CRITICAL:
             action = self.action(xid)
             name = self.describe(xid)

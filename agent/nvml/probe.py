@@ -4,7 +4,8 @@ first (its recovery action, a row remap pending or failed, pages pending retirem
 
 Owns: `probe(uuid, pci_bus_id)` (None when the GPU answers as itself, else what failed),
 `repair_pending(handle)` (what the driver still asks for), `recovery_probe` (both: what the
-health monitor asks before a withdrawn GPU returns) and
+health monitor asks before a withdrawn GPU returns), `recovery_action(uuid)` (read on XID 154)
+and
 `lost(uuids)` (which GPUs NVML reports lost, to name the GPU behind a wait that failed with
 GPU_IS_LOST, which NVML does not). Reads only; NVML must be initialised. Must not decide what
 a failure means (agent.health does) nor keep state.
@@ -80,6 +81,15 @@ def repair_pending(handle) -> str | None:
     if pages == pynvml.NVML_FEATURE_ENABLED:
         return "pages are pending retirement: a GPU reset or a reboot retires them"
     return None
+
+
+def recovery_action(uuid: str) -> int | None:
+    """The driver's recovery action for GPU `uuid` now (NVML_GPU_RECOVERY_ACTION_*), or None
+    when the driver does not offer it or the GPU does not answer."""
+    try:
+        return _recovery_action(_call(pynvml.nvmlDeviceGetHandleByUUID, uuid))
+    except NvmlError:
+        return None
 
 
 def _recovery_action(handle) -> int | None:
