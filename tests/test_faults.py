@@ -1,0 +1,123 @@
+"""Faults from outside the agent, end to end: `gpu-agent run` on the simulated NVML and the
+simulated kubelet, with the fault made while kubelet (here: this test) keeps calling Allocate.
+
+Covers a podresources server that accepts connections and never answers (its calls time out,
+the failure is reported, and Allocate, ListAndWatch and the stop never wait on it) and an XID
+storm during Allocates (exactly the GPUs struck by a withdrawing XID are withdrawn, every
+Allocate on the others is answered). The full disk, the corrupt state files, kill -9, NVML
+init failing then recovering, kubelet flapping and SIGHUP bursts have their tests beside the
+code they exercise (test_state_daemon, test_daemon_lifecycle, test_lifecycle_gaps).
+Nothing here asserts on timing.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+
+from agent.sim import control
+from agent.sim.profile import load_profile
+from tests.daemon_harness import GPU, Node
+
+UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
+
+
+@pytest.fixture
+def node():
+    with Node() as n:
+        yield n
+
+
+class _Allocating:
+    """A thread calling Allocate for `ids` on `agent` until stopped; every answer and error
+    is kept."""
+
+    def __init__(self, agent, ids: list[str]):
+        self.agent, self.ids = agent, ids
+        self.answered = 0
+        self.errors: list[grpc.RpcError] = []
+        self.started = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self.started.wait()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                resp = self.agent.allocate(self.ids)
+                assert resp.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"]
+                self.answered += 1
+            except grpc.RpcError as exc:
+                self.errors.append(exc)
+            self.started.set()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.answered
+
+
+def _silent_server(path: str) -> tuple[socket.socket, list[socket.socket]]:
+    """A unix socket that accepts every connection and never sends a byte."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed by the test
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, held
+
+
+def test_a_podresources_server_that_never_answers_times_out_and_nothing_else_waits(node):
+    path = node.path("silent-podresources.sock")
+    listener, held = _silent_server(path)
+    try:
+        agent = node.agent("--pod-resources-socket", path)
+        agent.wait_registered()
+        allocating = _Allocating(agent, [UUIDS[0]])
+        failed = f"podresources List on {path} failed: DEADLINE_EXCEEDED"
+        agent.wait_log(failed)  # the first reconcile pass waited its deadline out
+        assert held, "the agent connected to the silent server"
+        assert allocating.answered > 0  # ... while Allocates were answered
+        allocating.stop()
+        assert failed in node.status_with(failed)  # reported where operators look
+        assert allocating.errors == []
+        assert node.client.state().resource(GPU).connected  # the stream never ended
+        assert agent.stop() == 0  # a call in flight does not hold up the stop
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+def test_an_xid_storm_during_allocates_withdraws_exactly_the_struck_gpus(node):
+    agent = node.agent("--recovery-quiet-period", "600s")
+    agent.wait_registered()
+    allocating = _Allocating(agent, [UUIDS[0]])
+    struck = {UUIDS[1], UUIDS[2], UUIDS[3]}
+    for i in range(300):  # GPUs 1-3 take a double-bit ECC XID, 4-7 an application error
+        gpu = 1 + i % 7
+        control.inject_xid(node.ctl, gpu, 48 if gpu <= 3 else 13)
+    agent.wait_for(lambda s: {d.id for d in s.resource(GPU).latest_snapshot.devices
+                              if d.health != "Healthy"} == struck, "GPUs 1-3 withdrawn")
+    answered = allocating.stop()
+    assert answered > 0 and allocating.errors == []
+    assert node.client.state().resource(GPU).allocatable == 5
+    res = node.client.state().resource(GPU)
+    assert res.connected and res.registrations == 1  # served through it all, one stream
+    out = node.status_with("ignored XIDs")
+    assert "unhealthy: " in out
+    assert agent.alive()
+    assert agent.stop() == 0
