@@ -2,18 +2,24 @@
 simulated kubelet, with the fault made while kubelet (here: this test) keeps calling Allocate.
 
 Covers a podresources server that accepts connections and never answers (its calls time out,
-the failure is reported, and Allocate, ListAndWatch and the stop never wait on it) and an XID
+the failure is reported, and Allocate, ListAndWatch and the stop never wait on it); an XID
 storm during Allocates (exactly the GPUs struck by a withdrawing XID are withdrawn, every
-Allocate on the others is answered). The full disk, the corrupt state files, kill -9, NVML
-init failing then recovering, kubelet flapping and SIGHUP bursts have their tests beside the
-code they exercise (test_state_daemon, test_daemon_lifecycle, test_lifecycle_gaps).
-Nothing here asserts on timing.
+Allocate on the others is answered); 50 SIGHUPs sent back to back during Allocates (none
+refused, the resource never drops to 0, the last config is the one live); a GPU lost and
+restored during Allocates on another; kubelet flapping 100 times without waiting for the
+agent (it ends registered once with the last kubelet); and unknown files in the state
+directory (left as they are). The full disk, the corrupt state files, kill -9 and NVML init
+failing then recovering have their tests beside the code they exercise (test_state_daemon,
+test_daemon_lifecycle). Nothing here asserts on timing.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -121,3 +127,74 @@ def test_an_xid_storm_during_allocates_withdraws_exactly_the_struck_gpus(node):
     assert "unhealthy: " in out
     assert agent.alive()
     assert agent.stop() == 0
+
+
+def test_fifty_sighups_back_to_back_during_allocates_refuse_nothing(node):
+    strategies = ["envvar", "volume-mounts"]
+    config = node.write("config.yaml", "version: v1\n")
+    agent = node.agent("--config", config)
+    agent.wait_registered()
+    since = time.monotonic_ns()
+    allocating = _Allocating(agent, [UUIDS[0]])
+    for n in range(50):  # as fast as the writes go: signals may merge into fewer reloads
+        node.write("config.yaml", "version: v1\nflags:\n  plugin:\n    deviceListStrategy: "
+                                  f"{strategies[n % 2]}\n")
+        agent.send(signal.SIGHUP)
+    # the last config is the one live: volume-mounts answers with the mount-list path
+    agent.wait_for(lambda s: agent.allocate([UUIDS[1]]).container_responses[0].envs[
+        "NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices", "the last config live")
+    answered = allocating.stop()
+    assert answered > 0 and allocating.errors == []
+    assert node.client.zero_windows(GPU, since) == []
+    res = node.client.state().resource(GPU)
+    assert res.connected and res.registrations == 1 and res.allocatable == 8
+    assert "Traceback" not in agent.log and agent.stop() == 0
+
+
+def test_a_gpu_lost_and_restored_during_allocates_on_another(node):
+    agent = node.agent("--recovery-quiet-period", "0.5s")
+    agent.wait_registered()
+    allocating = _Allocating(agent, [UUIDS[0]])
+    control.lose(node.ctl, 2)
+    agent.wait_for(lambda s: {d.id for d in s.resource(GPU).devices if not d.healthy} ==
+                   {UUIDS[2]}, "GPU 2 withdrawn")
+    control.restore(node.ctl, 2)
+    agent.wait_for(lambda s: s.resource(GPU).allocatable == 8, "GPU 2 back")
+    answered = allocating.stop()
+    assert answered > 0 and allocating.errors == []
+    assert agent.allocate([UUIDS[2]]).container_responses[0].envs[
+        "NVIDIA_VISIBLE_DEVICES"] == UUIDS[2]
+    assert agent.stop() == 0
+
+
+def test_kubelet_flapping_a_hundred_times_ends_with_one_registration_to_the_last(node):
+    agent = node.agent()
+    agent.wait_registered()
+    first = node.client.state().restarts
+    for _ in range(100):  # without waiting for the agent in between
+        node.client.restart()
+    last = first + 100
+    agent.wait_for(lambda s: s.restarts == last and s.resource(GPU).connected
+                   and s.resource(GPU).allocatable == 8, "registered with the last kubelet")
+    assert agent.alive()
+    per_instance = node.client.registrations_per_instance(GPU)
+    assert per_instance[last] == 1 and all(n <= 1 for n in per_instance.values()), per_instance
+    assert agent.allocate([UUIDS[0]]).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"]
+    assert "Traceback" not in agent.log and agent.stop() == 0
+
+
+def test_unknown_files_in_the_state_directory_are_left_as_they_are(node):
+    os.makedirs(os.path.join(node.state, "notes.d"))
+    strangers = {"notes.txt": b"an operator's note\n", "notes.d/x": b"\x00\xff",
+                 "allocations.journal.bak": b"not ours to judge\n"}
+    for name, data in strangers.items():
+        with open(os.path.join(node.state, name), "wb") as f:
+            f.write(data)
+    agent = node.agent()
+    agent.wait_registered()
+    agent.allocate([UUIDS[0]])
+    assert agent.stop() == 0
+    for name, data in strangers.items():
+        with open(os.path.join(node.state, name), "rb") as f:
+            assert f.read() == data, name
+    assert "ERROR" not in agent.log
