@@ -13,7 +13,7 @@ APT_BUILD := gcc python3-dev python3-venv
 APT_RPM   := rpm rpmlint systemd
 APT_TEST  := prometheus
 
-.PHONY: all venv build test test-under-load lint demo proto bench clean rpm rpm-tools
+.PHONY: all venv build test test-under-load lint demo proto bench soak clean rpm rpm-tools
 
 all: build
 
@@ -82,6 +82,11 @@ rpm-tools:
 bench: build
 	$(VPY) -m compileall -q agent >/dev/null
 	$(VPY) -m bench
+
+# 10 minutes of pods, XIDs, kubelet restarts and SIGHUPs; its section of docs/benchmarks.md
+soak: build
+	$(VPY) -m compileall -q agent >/dev/null
+	$(VPY) -m bench soak
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

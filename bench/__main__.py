@@ -1,7 +1,9 @@
 """`python -m bench [NAME ...]`: run the benchmarks and write docs/benchmarks.md.
 
 Owns: the list of benchmark modules and the report layout. Sections come from each module's
-`run()`; with names given, only those run and the report holds only them.
+`run()`; with names given, only those run and the report holds only them. The soak
+(bench/soak.py, `make soak`) runs alone and replaces only its own section, which the other
+runs keep.
 """
 
 from __future__ import annotations
@@ -43,18 +45,44 @@ def render(sections: list[Section]) -> str:
     return "\n".join(lines)
 
 
+def _kept(report: Path, title: str) -> str:
+    """The section titled `title` of the report at `report` as it stands ("" if none): the
+    soak's, which `make bench` does not run (it takes 10 minutes) but keeps."""
+    if not report.exists():
+        return ""
+    text, head = report.read_text(), f"## {title}\n"
+    start = text.find(head)
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start + len(head))
+    return text[start:] if end < 0 else text[start:end + 1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {MODULES})")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {MODULES}; "
+                                                 f"`soak` runs alone and updates only its section)")
     parser.add_argument("--output", type=Path, default=REPORT, help="report path")
     args = parser.parse_args(argv)
+    names = args.names or MODULES
+    if "soak" in names and names != ["soak"]:
+        parser.error("run the soak alone: python -m bench soak (make soak)")
+    from bench import soak
+
+    old_soak = _kept(args.output, soak.TITLE)
     sections = []
-    for name in args.names or MODULES:
+    for name in names:
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", file=sys.stderr, flush=True)
         sections.append(module.run())
+    if names == ["soak"]:  # its section replaces its old one; the rest of the report stays
+        text = args.output.read_text() if args.output.exists() else render([])
+        new = "## " + render(sections).split("\n## ", 1)[1]
+        text = text.replace(old_soak, new) if old_soak else text.rstrip("\n") + "\n\n" + new
+    else:  # the soak's section, which this run did not make, is kept as it was
+        text = render(sections) + ("\n" + old_soak if old_soak else "")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(sections))
+    args.output.write_text(text)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
