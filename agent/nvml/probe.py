@@ -32,6 +32,16 @@ def probe(uuid: str, pci_bus_id: str | None = None) -> str | None:
     """None when the GPU `uuid` answers NVML as itself: its handle by UUID is valid, reads
     back the same UUID (and PCI bus id, when given), and its name, memory and index queries
     succeed. Otherwise a short description of the first thing that failed."""
+    return _checked(uuid, pci_bus_id, repair=False)
+
+
+def recovery_probe(uuid: str, pci_bus_id: str | None = None) -> str | None:
+    """`probe`, then `repair_pending` on the same handle: None when the GPU answers as itself
+    and the driver asks for nothing more before it serves again."""
+    return _checked(uuid, pci_bus_id, repair=True)
+
+
+def _checked(uuid: str, pci_bus_id: str | None, repair: bool) -> str | None:
     try:
         handle = _call(pynvml.nvmlDeviceGetHandleByUUID, uuid)
         got = _text(_call(pynvml.nvmlDeviceGetUUID, handle))
@@ -44,19 +54,7 @@ def probe(uuid: str, pci_bus_id: str | None = None) -> str | None:
         _call(pynvml.nvmlDeviceGetName, handle)
         _call(pynvml.nvmlDeviceGetMemoryInfo, handle)
         _call(pynvml.nvmlDeviceGetIndex, handle)
-    except NvmlError as exc:
-        return str(exc)
-    return None
-
-
-def recovery_probe(uuid: str, pci_bus_id: str | None = None) -> str | None:
-    """`probe`, then `repair_pending`: None when the GPU answers as itself and the driver asks
-    for nothing more before it serves again."""
-    problem = probe(uuid, pci_bus_id)
-    if problem is not None:
-        return problem
-    try:
-        return repair_pending(_call(pynvml.nvmlDeviceGetHandleByUUID, uuid))
+        return repair_pending(handle) if repair else None
     except NvmlError as exc:
         return str(exc)
 
