@@ -251,9 +251,9 @@ def test_stop_returns_within_one_wait(monitor, events):
 
 
 class HeldProbe:
-    """The recovery probe handed to the monitor: agent.nvml.probe.probe on the simulated NVML,
-    except that each probe of GPU `uuid` is held (at most WAIT s) until the test lets it go, as
-    a probe of a sick GPU hangs in NVML. Leaving the `with` block lets every probe go."""
+    """The recovery probe handed to the monitor: agent.nvml.probe.recovery_probe (the monitor's
+    own) on the simulated NVML, except that each probe of GPU `uuid` is held (at most WAIT s)
+    until the test lets it go, as a probe of a sick GPU hangs in NVML. Leaving the `with` block lets every probe go."""
 
     def __init__(self, uuid: str):
         self.uuid = uuid
@@ -268,7 +268,7 @@ class HeldProbe:
                 n = self.calls
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self.released >= n, WAIT)
-        return probe.probe(uuid, pci_bus_id)
+        return probe.recovery_probe(uuid, pci_bus_id)
 
     def wait_call(self, n: int, sink: Recorder | None = None) -> None:
         """Until probe number `n` of the GPU is in flight (a failure shows `sink`'s batches)."""
