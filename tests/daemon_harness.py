@@ -292,3 +292,14 @@ class NotifySocket:
         self._stop = True
         self._thread.join(2)
         self.sock.close()
+
+
+def first_snapshot(node: Node, resource: str = GPU) -> object:
+    """The first ListAndWatch snapshot the current registration of `resource` sent."""
+    registration = node.client.state().resource(resource).registrations
+    return next(s for s in node.client.snapshots(resource) if s.registration == registration)
+
+
+def unhealthy(snapshot) -> set[str]:
+    """The IDs a ListAndWatch snapshot advertises as not Healthy."""
+    return {d.id for d in snapshot.devices if d.health != "Healthy"}

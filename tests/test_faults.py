@@ -26,7 +26,7 @@ import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.daemon_harness import GPU, Node
+from tests.daemon_harness import GPU, Node, unhealthy
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -116,8 +116,8 @@ def test_an_xid_storm_during_allocates_withdraws_exactly_the_struck_gpus(node):
     for i in range(300):  # GPUs 1-3 take a double-bit ECC XID, 4-7 an application error
         gpu = 1 + i % 7
         control.inject_xid(node.ctl, gpu, 48 if gpu <= 3 else 13)
-    agent.wait_for(lambda s: {d.id for d in s.resource(GPU).latest_snapshot.devices
-                              if d.health != "Healthy"} == struck, "GPUs 1-3 withdrawn")
+    agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == struck,
+                   "GPUs 1-3 withdrawn")
     answered = allocating.stop()
     assert answered > 0 and allocating.errors == []
     assert node.client.state().resource(GPU).allocatable == 5

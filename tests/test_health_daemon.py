@@ -22,7 +22,7 @@ import pytest
 from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import wants_twins
-from tests.daemon_harness import GPU, Node
+from tests.daemon_harness import GPU, Node, first_snapshot, unhealthy
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -43,16 +43,6 @@ def start(node: Node, *args: str, **env: str):
     res = agent.wait_registered()
     agent.wait_log(f"implementation {'python' if node.pure_python else 'cython'}")
     return agent, res.snapshot_seq
-
-
-def first_snapshot(node: Node) -> object:
-    """The first snapshot the current registration sent."""
-    registration = node.client.state().resource(GPU).registrations
-    return next(s for s in node.client.snapshots(GPU) if s.registration == registration)
-
-
-def unhealthy(snapshot) -> set[str]:
-    return {d.id for d in snapshot.devices if d.health != "Healthy"}
 
 
 def next_snapshot(node: Node, agent, after: int):

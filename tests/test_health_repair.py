@@ -15,13 +15,9 @@ import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.daemon_harness import GPU, Node
+from tests.daemon_harness import GPU, Node, first_snapshot, unhealthy
 
 XID_DBE = 48  # reset class in NVIDIA's and our default table
-
-
-def unhealthy(snapshot) -> set[str]:
-    return {d.id for d in snapshot.devices if d.health != "Healthy"}
 
 
 @pytest.mark.parametrize("profile, pending, problem", [
@@ -105,7 +101,6 @@ def test_xid_154_reads_the_recovery_action_a_reset_returns_when_done_a_reboot_st
         # the reboot-class fault is kept across a restart in the same boot, as XID 79's
         agent = node.agent("--recovery-quiet-period", "0.5s",
                            env=node.env(GPU_AGENT_BOOT_ID_FILE=str(boot)))
-        registration = agent.wait_registered(registrations=2).registrations
-        first = next(s for s in node.client.snapshots(GPU) if s.registration == registration)
-        assert unhealthy(first) == {uuids[5]}
+        agent.wait_registered(registrations=2)
+        assert unhealthy(first_snapshot(node)) == {uuids[5]}
         assert agent.stop() == 0
