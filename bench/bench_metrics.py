@@ -42,7 +42,7 @@ from bench import (
 
 SCRAPES = 50
 IDLE_S = 30.0
-ALLOCATE_BLOCK = 1500  # calls per block (about a second); blocks alternate no scrapes / scrapes
+ALLOCATE_BLOCK = 1500  # calls per block (about a second)
 BLOCKS = 30  # none, agent scraped, other server fetched, in turn
 RESOURCE = "nvidia.com/gpu"
 
@@ -165,9 +165,9 @@ def _idle_cpu(node: _Node, address: str) -> tuple[float, float]:
 
 
 # A scraper in its own process, as Prometheus is: the request Prometheus sends (OpenMetrics
-# preferred, gzip), then a second's pause, until stopped. The bench stops it (SIGSTOP) during
-# the blocks without scrapes and lets it go on (SIGCONT) during the others, so both kinds of
-# block share the one agent, the same minutes and the same state of the machine.
+# preferred, gzip), then a second's pause, until stopped. The bench stops it (SIGSTOP) outside
+# its own blocks and lets it go on (SIGCONT) during them, so every kind of block shares the
+# one agent, the same minutes and the same state of the machine.
 _SCRAPER = r"""
 import sys, time, urllib.request
 request = urllib.request.Request(sys.argv[1], headers={
@@ -211,9 +211,9 @@ class _Scraper:
         return scrapes
 
 
-def _allocate_under_scrapes(node: _Node) -> dict[str, list[float]]:
+def _allocate_under_scrapes(node: _Node) -> tuple[dict[str, list[float]], int]:
     """Allocate latencies with no scrapes ("none"), with the agent scraped every second
-    ("agent", and "scrapes": their count), and with the same scraper fetching the agent's
+    ("agent"; and how many scrapes that made), and with the same scraper fetching the agent's
     exposition from another process's HTTP server every second ("other"): the machine's
     floor, what one more process doing the HTTP round trip costs the caller and the agent."""
     agent = node.agent("--metrics-address", "127.0.0.1:0")
@@ -252,8 +252,7 @@ def _allocate_under_scrapes(node: _Node) -> dict[str, list[float]]:
                 times[kind] += allocate_timed(stub, request, ALLOCATE_BLOCK)
                 if scraper is not None:
                     scraper.pause()
-        times["scrapes"] = [float(scrapers.pop("agent").close())]
-        return times
+        return times, scrapers.pop("agent").close()
     finally:
         for scraper in scrapers.values():
             scraper.close()
@@ -320,13 +319,13 @@ def run() -> Section:
                              f"{on_rss - off_rss:+.1f} MB"])
         section.rows.append([f"RSS, 8 GPUs, after {SCRAPES + 5} scrapes", f"{scraped_rss:.1f} MB",
                              "", "—", f"{scraped_rss - off_rss:+.1f} MB"])
-        times = _allocate_under_scrapes(node)
+        times, scrapes = _allocate_under_scrapes(node)
     finally:
         node.close()
     q50, q99 = statistics.median(times["none"]), percentile(times["none"], 99)
     section.rows.append(["Allocate, no scrapes (reference)", _ms(q50), _ms(q99), "—", ""])
     for kind, name in (("agent", f"Allocate, the agent scraped every second "
-                                 f"({int(times['scrapes'][0])} scrapes)"),
+                                 f"({scrapes} scrapes)"),
                        ("other", "Allocate, the same scraper fetching the same text from "
                                  "another process every second (the machine's floor)")):
         s50, s99 = statistics.median(times[kind]), percentile(times[kind], 99)
