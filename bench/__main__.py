@@ -60,8 +60,9 @@ def _kept(report: Path, title: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {MODULES}; "
-                                                 f"`soak` runs alone and updates only its section)")
+    parser.add_argument("names", nargs="*",
+                        help=f"benchmarks to run (default: all of {MODULES}; `soak` runs alone "
+                             f"and updates only its section)")
     parser.add_argument("--output", type=Path, default=REPORT, help="report path")
     args = parser.parse_args(argv)
     names = args.names or MODULES

@@ -1,8 +1,8 @@
 """`make soak` (`python -m bench soak`): the agent under a steady load with faults, for minutes.
 
 `gpu-agent run` on the simulated node (dgx1-v100, recovery quiet period 5 s, reconcile every
-5 s, a config file) and the simulated kubelet, which admits pods as its device manager does (GetPreferredAllocation
-then Allocate, over the real sockets) and deletes them, keeping at most LIVE_PODS alive, at
+5 s, a config file) and the simulated kubelet, which admits pods as its device manager does
+(GetPreferredAllocation then Allocate, over the real sockets) and deletes them, keeping at most LIVE_PODS alive, at
 RATE pods a second; an XID 48 (reset class) every XID_EVERY_S on the next GPU in turn; a
 kubelet restart every RESTART_EVERY_S; a SIGHUP every SIGHUP_EVERY_S, alternating the device
 list strategy. At the end: the agent's RSS, open file descriptors and threads against their

@@ -4,7 +4,8 @@ class, and the small state file that keeps withdrawn GPUs withdrawn across agent
 Owns: `Fault` (one device's reason to be Unhealthy: XID or event, action class, since when),
 the rules (`reset_may_recover`: the GPU answers NVML as itself, no critical event for the quiet
 period, a probe passes, and the driver asks for nothing more: no recovery action, no row remap
-pending or failed, no pages pending retirement; reboot-class faults end only when the host's boot ID changes), and
+pending or failed, no pages pending retirement; reboot-class faults end only when the host's
+boot ID changes), and
 `FaultFile`: STATE_DIR/health.json, written atomically (agent.fileio.write_atomic), read at
 start where a reboot since the fault (a new boot ID) clears reset- and reboot-class faults
 alike. A corrupt file is kept aside as health.json.corrupt-<time> and reported. Must not call
