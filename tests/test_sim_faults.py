@@ -3,7 +3,8 @@
 Owns: checking that `gpu-agent sim inject-xid|lose|restore|ecc` (run as commands) and the
 agent.sim.control API reach pynvml's nvmlEventSetWait_v2 in this process with the right GPU,
 XID and GPU/compute instance, only for event sets that registered that GPU; lost and
-restored GPUs; ECC counters; start-up faults (init, events_unsupported, lost); wait
+restored GPUs; hung GPUs (`hang`: every call naming the GPU blocks, no other call does, the
+event wait is not affected, `--seconds 0` lets the waiting calls go); ECC counters; start-up faults (init, events_unsupported, lost); wait
 timeouts; bad profiles; bad command input. Must not patch pynvml and must not assert on
 durations (a wait that should wake early has a long timeout instead: if the library failed
 to wake it, the test sees TIMEOUT, not a slow pass).
@@ -199,6 +200,76 @@ def test_freeing_a_set_wakes_its_waiter(node):
     pynvml.nvmlEventSetFree(es)
     w = waiter.result()
     assert isinstance(w.error, (pynvml.NVMLError_Uninitialized, pynvml.NVMLError_InvalidArgument))
+
+
+# ---- hung GPUs ----
+
+class Call(threading.Thread):
+    """fn() on another thread; `.value` or `.error` once `.done` is set."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def test_a_hung_gpu_blocks_each_call_naming_it_until_the_hang_is_ended(node):
+    env = node()
+    h2 = handle(2)
+    uuid2, bus2 = pynvml.nvmlDeviceGetUUID(h2), pynvml.nvmlDeviceGetPciInfo(h2).busId
+    es = registered(2)
+    sim("hang", "--gpu", "2", "--seconds", "600", env=env)
+    calls = {"name": Call(lambda: pynvml.nvmlDeviceGetName(h2)),
+             "by index": Call(lambda: pynvml.nvmlDeviceGetUUID(handle(2))),
+             "by UUID": Call(lambda: pynvml.nvmlDeviceGetUUID(
+                 pynvml.nvmlDeviceGetHandleByUUID(uuid2))),
+             "by PCI": Call(lambda: pynvml.nvmlDeviceGetUUID(
+                 pynvml.nvmlDeviceGetHandleByPciBusId(bus2))),
+             "memory": Call(lambda: pynvml.nvmlDeviceGetMemoryInfo(h2).total)}
+    for _ in range(200):  # the other GPUs, the system and the event wait answer meanwhile
+        assert pynvml.nvmlDeviceGetName(handle(3)) == "Tesla V100-SXM2-16GB"
+        assert pynvml.nvmlDeviceGetCount() == 8
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        pynvml.nvmlEventSetWait_v2(es, 10)
+    assert [name for name, c in calls.items() if c.done.is_set()] == []
+    sim("hang", "--gpu", "2", "--seconds", "0", env=env)
+    for name, c in calls.items():
+        assert c.done.wait(LONG_MS / 1000), f"{name}: still blocked after the hang ended"
+        assert c.error is None, name
+    assert {calls[k].value for k in ("by index", "by UUID", "by PCI")} == {uuid2}
+    assert calls["memory"].value == 16 * 1024**3
+
+
+def test_a_hung_gpu_still_delivers_its_events(node, sim_control):
+    node()
+    es = registered(2)
+    control.hang(sim_control, 2, 600)
+    waiter = Waiter(es)
+    control.inject_xid(sim_control, 2, 79)
+    w = waiter.result()
+    assert w.error is None and w.data.eventData == 79
+    control.hang(sim_control, 2, 0)
+    assert index_of(w.data.device) == 2  # answers again
+
+
+@pytest.mark.parametrize("gpu,seconds,message", [
+    pytest.param("MIG-1234", 1, "a hang is per GPU", id="mig-uuid"),
+    pytest.param(1, -1, "expected 0 to", id="negative"),
+    pytest.param(1, control.MAX_HANG_S + 1, "expected 0 to", id="too-long"),
+    pytest.param(1, True, "expected 0 to", id="bool"),
+])
+def test_hang_refuses_bad_input(sim_control, gpu, seconds, message):
+    with pytest.raises(SimError, match=message):
+        control.hang(sim_control, gpu, seconds)
 
 
 # ---- lost GPUs ----

@@ -2,9 +2,9 @@
 
 Owns: the record format of `<control dir>/control.log` and appending records to it (one
 O_APPEND write per record, so concurrent writers never interleave), the Python API
-(`inject_xid`, `inject_xids` for storms, `lose`, `restore`, `ecc`, `set_telemetry`), the
-`telemetry` record's keys and limits (TELEMETRY_KEYS), and the
-`gpu-agent sim inject-xid|lose|restore|ecc|telemetry` commands built on it. The simulated
+(`inject_xid`, `inject_xids` for storms, `lose`, `restore`, `hang`, `ecc`, `set_telemetry`),
+the `telemetry` record's keys and limits (TELEMETRY_KEYS), and the
+`gpu-agent sim inject-xid|lose|restore|hang|ecc|telemetry` commands built on it. The simulated
 library (agent/sim/nvml/control.c) is the reader: it follows the log with inotify, wakes
 blocked event waits and derives lost/ECC/telemetry state from it; every NVML call reads the
 log to its end first, so a record is seen by the next call of any process once written.
@@ -17,6 +17,7 @@ Record lines (docs/simulator.md):
     ecc gpu=<...> type=sbe|dbe
     lose gpu=<...>
     restore gpu=<...>
+    hang gpu=<index|GPU-uuid> until_ns=<CLOCK_MONOTONIC ns; 0 ends it>
     telemetry gpu=<index|GPU-uuid> KEY=VALUE ...   (keys: TELEMETRY_KEYS)
 """
 
@@ -26,6 +27,7 @@ import argparse
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Union
 
@@ -38,6 +40,7 @@ LOG_NAME = "control.log"
 NO_INSTANCE = 0xFFFFFFFF  # GI/CI of an XID that names no MIG instance
 _MAX_U64 = 2**64 - 1
 _MAX_U32 = 2**32 - 1
+MAX_HANG_S = 3600
 _MIB = 1024 * 1024
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
 
@@ -216,6 +219,21 @@ def restore(control_dir: str | os.PathLike | None, gpu: GpuSpec) -> str:
     return append_record(control_dir, f"restore gpu={_gpu_spec(gpu)}")
 
 
+def hang(control_dir: str | os.PathLike | None, gpu: GpuSpec, seconds: float) -> str:
+    """Make every NVML call on `gpu` (and its MIG devices) block, from now for `seconds`, as
+    a GPU whose driver calls hang; the event wait is not affected. 0 ends a hang now. The end is
+    a CLOCK_MONOTONIC time, the same in every process on this host."""
+    spec = _gpu_spec(gpu)
+    if spec.startswith("MIG-"):
+        raise SimError(f"--gpu {spec}: a hang is per GPU; give its parent GPU's index or "
+                       f"GPU- UUID")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not 0 <= seconds <= MAX_HANG_S:
+        raise SimError(f"hang --seconds {seconds!r}: expected 0 to {MAX_HANG_S}")
+    until = time.monotonic_ns() + int(seconds * 1e9) if seconds else 0
+    return append_record(control_dir, f"hang gpu={spec} until_ns={until}")
+
+
 def ecc(control_dir: str | os.PathLike | None, gpu: GpuSpec, double_bit: bool = True) -> str:
     """Count one ECC error on `gpu` and deliver its event (0x2 double-bit, 0x1 single-bit)."""
     kind = "dbe" if double_bit else "sbe"
@@ -310,6 +328,16 @@ def _int_arg(text: str) -> int:
     return value
 
 
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= MAX_HANG_S:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0 to {MAX_HANG_S}")
+    return value
+
+
 def _add_common(p: argparse.ArgumentParser, gpu_help: str) -> None:
     p.add_argument("--gpu", required=True, help=gpu_help)
     p.add_argument("--control-dir", default=None,
@@ -332,6 +360,11 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_hang(args: argparse.Namespace) -> int:
+    print(hang(args.control_dir, args.gpu, args.seconds))
+    return 0
+
+
 def _cmd_ecc(args: argparse.Namespace) -> int:
     print(ecc(args.control_dir, args.gpu, double_bit=args.double_bit))
     return 0
@@ -345,7 +378,7 @@ def _cmd_telemetry(args: argparse.Namespace) -> int:
 
 
 def add_cli(simsub: argparse._SubParsersAction) -> None:
-    """Declare `gpu-agent sim inject-xid|lose|restore|ecc|telemetry`."""
+    """Declare `gpu-agent sim inject-xid|lose|restore|hang|ecc|telemetry`."""
     p = simsub.add_parser("inject-xid", help="deliver an XID critical-error event")
     _add_common(p, "GPU index, GPU-/MIG- UUID, or 'none' for an event that names no GPU")
     p.add_argument("--xid", required=True, type=_int_arg, help="the XID number (event data)")
@@ -362,6 +395,16 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
     p = simsub.add_parser("restore", help="bring a lost GPU back")
     _add_common(p, "GPU index or UUID")
     p.set_defaults(func=_cmd_restore)
+
+    p = simsub.add_parser("hang", help="make every NVML call on a GPU block for a time",
+                          description="Every NVML call that names the GPU (its handle lookups, "
+                                      "queries, event registration; not the event wait) blocks "
+                                      "until the time is up, in every process that loaded the "
+                                      "library. --seconds 0 ends a hang now.")
+    _add_common(p, "GPU index or GPU- UUID")
+    p.add_argument("--seconds", required=True, type=_seconds_arg,
+                   help=f"how long from now (0 to {MAX_HANG_S}; 0 ends it)")
+    p.set_defaults(func=_cmd_hang)
 
     p = simsub.add_parser("ecc", help="count an ECC error and deliver its event")
     _add_common(p, "GPU index or UUID")

@@ -2,9 +2,9 @@
  * control.c: the fault-injection control channel, event sets and event waits.
  *
  * Owns: reading the record log `<GPU_AGENT_SIM_CONTROL>/control.log` (written by
- * `gpu-agent sim inject-xid|lose|restore|ecc|mig|telemetry`, one record per line, each appended
- * with one O_APPEND write), deriving run-time state from it (lost GPUs, ECC counters, MIG
- * layouts; telemetry records are handed to telemetry.c), queueing events
+ * `gpu-agent sim inject-xid|lose|restore|hang|ecc|mig|telemetry`, one record per line, each
+ * appended with one O_APPEND write), deriving run-time state from it (lost and hung GPUs, ECC
+ * counters, MIG layouts; telemetry records are handed to telemetry.c), queueing events
  * for the event sets that registered for them, and waking blocked waits through inotify on
  * the control directory plus poll(): an idle wait sleeps in the kernel. Must not write to the
  * control directory (only the commands do) and must not hold the global lock while blocking.
@@ -14,6 +14,7 @@
  *   ecc gpu=<...> type=sbe|dbe
  *   lose gpu=<...>
  *   restore gpu=<...>
+ *   hang gpu=<index|GPU-uuid> until_ns=<CLOCK_MONOTONIC ns>   (0: the hang ends now)
  *   mig gpu=<index|GPU-uuid> mode=enabled|disabled
  *   mig gpu=<index|GPU-uuid> layout=<profile>:<count>[,<profile>:<count>...]
  *   mig gpu=<index|GPU-uuid> create=<profile>
@@ -411,6 +412,10 @@ static void apply_record(char *line, int replay)
         deliver(&e, ~0ULL);
     } else if (strcmp(op, "restore") == 0) {
         g->lost = 0;
+    } else if (strcmp(op, "hang") == 0 && mig < 0) {
+        unsigned long long until;
+        if (sim_parse_u64(field(keys, vals, n, "until_ns"), &until) == 0)
+            g->hang_until_ns = until;
     } else if (strcmp(op, "mig") == 0) {
         apply_mig(g, gpu, mig, keys, vals, n);
     } else if (strcmp(op, "telemetry") == 0 && mig < 0) {

@@ -6,7 +6,8 @@
  * UNINITIALIZED before init, INVALID_ARGUMENT for bad handles, indices and NULL outputs,
  * GPU_IS_LOST for a lost GPU and its MIG devices, NOT_SUPPORTED where the profile has no
  * value (no serial, no NUMA node, no NVLinks, not MIG capable) or for MIG handles on queries
- * that only full GPUs answer. Must not block and must not change state (control.c does).
+ * that only full GPUs answer. Must not block (but for a hung GPU: sim_enter_device and
+ * sim_hang_wait sleep it out, lock released) and must not change state (control.c does).
  * The telemetry queries (utilization, temperature, power, clocks, retired pages, remapped
  * rows) are telemetry.c's; the memory queries here read the memory used it may have set.
  */
@@ -104,6 +105,8 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDe
     TRY_ENTER(sim_enter(device != NULL));
     if (index >= (unsigned int)g_node.ngpus)
         DONE(NVML_ERROR_INVALID_ARGUMENT);
+    if (sim_hang_wait(&g_node.gpus[index]))
+        return nvmlDeviceGetHandleByIndex_v2(index, device);
     DONE(hand_out(&g_node.gpus[index], &g_node.gpus[index].h, device));
 }
 
@@ -117,6 +120,13 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t
     TRY_ENTER(sim_enter(uuid != NULL && device != NULL));
     for (int i = 0; i < g_node.ngpus; i++) {
         sim_gpu *g = &g_node.gpus[i];
+        int mine = strcmp(g->uuid, uuid) == 0;
+        for (int m = 0; m < g->nmig && !mine; m++)
+            mine = strcmp(g->migs[m].uuid, uuid) == 0;
+        if (!mine)
+            continue;
+        if (sim_hang_wait(g))
+            return nvmlDeviceGetHandleByUUID(uuid, device);
         if (strcmp(g->uuid, uuid) == 0)
             DONE(hand_out(g, &g->h, device));
         for (int m = 0; m < g->nmig; m++)
@@ -136,8 +146,11 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId,
     for (int i = 0; i < g_node.ngpus; i++) {
         sim_gpu *g = &g_node.gpus[i];
         if (g->pci.domain == want.domain && g->pci.bus == want.bus
-            && g->pci.device == want.device && g->pci.function == want.function)
+            && g->pci.device == want.device && g->pci.function == want.function) {
+            if (sim_hang_wait(g))
+                return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device);
             DONE(hand_out(g, &g->h, device));
+        }
     }
     DONE(NVML_ERROR_NOT_FOUND);
 }

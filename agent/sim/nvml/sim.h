@@ -300,6 +300,8 @@ typedef struct {
     int topo[SIM_MAX_GPUS]; /* common-ancestor level to each GPU */
     /* run-time state */
     int lost;
+    unsigned long long hang_until_ns; /* CLOCK_MONOTONIC: every call on this GPU blocks until
+                                       * then (a `hang` record); 0 or past: none */
     int events_unsupported;
     unsigned long long ecc_sbe, ecc_dbe;
     sim_telemetry telemetry;
@@ -390,6 +392,15 @@ void sim_telemetry_apply(sim_gpu *g, char *const *keys, char *const *vals, int n
  * held and *gpu / *mig are set (mig NULL for a full GPU); on failure the lock is released. */
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, int out_ok, sim_gpu **gpu, sim_mig **mig);
 nvmlReturn_t sim_enter(int out_ok);
+/* With the lock held: when GPU `g` hangs now (a `hang` record), release the lock, sleep (until
+ * the hang ends, or 20 ms) and return 1: the caller enters again, which reads the log (a
+ * record may have ended the hang) and checks the GPU anew (it may be lost, or the library shut
+ * down, meanwhile); else 0, the lock still held. */
+int sim_hang_wait(const sim_gpu *g);
+/* CLOCK_MONOTONIC now, in ns (the clock Python's time.monotonic_ns() reads on Linux). */
+unsigned long long sim_now_ns(void);
+/* Sleep until CLOCK_MONOTONIC reaches `until_ns` (signals do not cut it short). */
+void sim_sleep_until_ns(unsigned long long until_ns);
 /* Validate another handle while the lock is held (for calls taking two devices). */
 nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig);
 SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result);

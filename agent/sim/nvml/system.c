@@ -3,12 +3,15 @@
  * system-wide queries (driver, NVML and CUDA versions).
  *
  * Owns: the global lock, the init count and the loaded node (g_node), and the entry helpers
- * every NVML call goes through (init check, control-channel ingest, handle validation). Must
- * not parse profiles itself (profile.c) or hold the lock across a blocking call.
+ * every NVML call goes through (init check, control-channel ingest, handle validation, the
+ * wait of a hung GPU). Must not parse profiles itself (profile.c) or hold the lock across a
+ * blocking call.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "sim.h"
 
@@ -66,15 +69,49 @@ nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig
 
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, int out_ok, sim_gpu **gpu, sim_mig **mig)
 {
-    nvmlReturn_t rc = sim_enter(1);
-    if (rc)
-        return rc;
-    rc = sim_lookup_device(device, gpu, mig);
-    if (rc == NVML_SUCCESS && !out_ok)
-        rc = NVML_ERROR_INVALID_ARGUMENT;
-    if (rc)
-        sim_leave();
-    return rc;
+    for (;;) {
+        nvmlReturn_t rc = sim_enter(1);
+        if (rc)
+            return rc;
+        rc = sim_lookup_device(device, gpu, mig);
+        if (rc == NVML_SUCCESS && !out_ok)
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        if (rc) {
+            sim_leave();
+            return rc;
+        }
+        if (!sim_hang_wait(*gpu))
+            return NVML_SUCCESS;
+    }
+}
+
+unsigned long long sim_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+}
+
+void sim_sleep_until_ns(unsigned long long until_ns)
+{
+    struct timespec until = {(time_t)(until_ns / 1000000000ULL),
+                             (long)(until_ns % 1000000000ULL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
+    }
+}
+
+/* A hung call wakes this often to read the log again: a record that ends or extends the hang
+ * takes effect on the calls already waiting. */
+#define HANG_SLICE_NS 20000000ULL
+
+int sim_hang_wait(const sim_gpu *g)
+{
+    unsigned long long until = g->hang_until_ns, now = sim_now_ns();
+    if (until == 0 || until <= now)
+        return 0;
+    sim_leave();
+    sim_sleep_until_ns(until - now > HANG_SLICE_NS ? now + HANG_SLICE_NS : until);
+    return 1;
 }
 
 nvmlReturn_t sim_copy_string(char *dst, unsigned int len, const char *src)

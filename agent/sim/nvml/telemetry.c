@@ -135,20 +135,6 @@ void sim_telemetry_apply(sim_gpu *g, char *const *keys, char *const *vals, int n
 
 /* ---- the getters ---- */
 
-static void sleep_ms(unsigned int ms)
-{
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += ms / 1000;
-    until.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
-    }
-}
-
 /* Enter a telemetry getter for `device`: a full GPU (a MIG handle gets NOT_SUPPORTED), and
  * INVALID_ARGUMENT unless out_ok. When the GPU has a delay, sleep it with the lock released,
  * then enter again: the answer is the state after the delay (the GPU may have been lost, or
@@ -167,7 +153,7 @@ static nvmlReturn_t enter_telemetry(nvmlDevice_t device, int out_ok, sim_gpu **g
     if (delay == 0)
         return NVML_SUCCESS;
     sim_leave();
-    sleep_ms(delay);
+    sim_sleep_until_ns(sim_now_ns() + (unsigned long long)delay * 1000000ULL);
     return sim_enter_device(device, out_ok, gpu, &m);
 }
 
