@@ -211,6 +211,7 @@ SCHEMA: dict = {
         "reconcileInterval": OPTION,
         "journalSyncInterval": OPTION,
         "migCheckInterval": OPTION,
+        "nvmlCallTimeout": OPTION,
         "allocationPolicy": OPTION,
         "replicaAllocationPolicy": OPTION,
         "health": {

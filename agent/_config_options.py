@@ -43,6 +43,7 @@ from agent.constants import (
     DEFAULT_MIG_CHECK_INTERVAL_S,
     DEFAULT_MIG_STRATEGY,
     DEFAULT_NFD_FEATURES_FILE,
+    DEFAULT_NVML_CALL_TIMEOUT_S,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_RECONCILE_INTERVAL_S,
     DEFAULT_RECOVERY_QUIET_PERIOD_S,
@@ -172,6 +173,13 @@ OPTIONS: tuple[Option, ...] = (
         "agent.migCheckInterval", IntervalKind(), DEFAULT_MIG_CHECK_INTERVAL_S,
         "how often the MIG layout is read to find instances created or destroyed (under "
         "migStrategy single or mixed); 0: only at start and on SIGHUP",
+    ),
+    Option(
+        "nvml_call_timeout", "--nvml-call-timeout", "GPU_AGENT_NVML_CALL_TIMEOUT",
+        "agent.nvmlCallTimeout", IntervalKind(), DEFAULT_NVML_CALL_TIMEOUT_S,
+        "how long an NVML call on a GPU may take: a GPU whose call takes longer is withdrawn "
+        "as not answering until the call returns, and no caller waits on it meanwhile; 0: "
+        "calls are waited for however long they take",
     ),
     Option(
         "allocation_policy", "--allocation-policy", "GPU_AGENT_ALLOCATION_POLICY",

@@ -88,6 +88,7 @@ class Config(NamedTuple):
     reconcile_interval: float  # seconds; 0: only at start and after Allocate
     journal_sync_interval: float  # seconds; 0: fdatasync before each Allocate answers
     mig_check_interval: float  # seconds; 0: the MIG layout is read at start and on SIGHUP
+    nvml_call_timeout: float  # seconds (agent.nvml.guard); 0: NVML calls are waited for
     allocation_policy: str  # best-effort | packed (agent.rm.preferred)
     replica_allocation_policy: str  # distributed | packed
     disable_healthchecks: str  # DP_DISABLE_HEALTHCHECKS as written (agent.health.policy)

@@ -67,6 +67,11 @@ DEFAULT_JOURNAL_SYNC_INTERVAL_S = 1.0
 # How often a changed MIG layout is looked for under migStrategy single / mixed (NVML has no
 # event for it): a few NVML calls per MIG-capable GPU; the idle-CPU bench measures the cost.
 DEFAULT_MIG_CHECK_INTERVAL_S = 5.0
+# How long an NVML call on a GPU may take before the GPU counts as not answering (withdrawn
+# until a call returns; agent.nvml.guard). Well above what a healthy GPU takes, including one
+# woken from idle without persistence mode (hundreds of ms), and well below the systemd
+# watchdog's 15 s ping interval, which a call made from the main loop delays by at most this.
+DEFAULT_NVML_CALL_TIMEOUT_S = 5.0
 # A GPU withdrawn for a reset-class error stays free of critical events this long to return.
 DEFAULT_RECOVERY_QUIET_PERIOD_S = 60.0
 # Create the missing /dev/char links of the NVIDIA device nodes (agent.devchar; why: docs).

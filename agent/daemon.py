@@ -6,9 +6,11 @@ changes (applied behind the running servers: agent.rm.resources keeps each resou
 the registrar adds and removes only the servers of resources that come or go), the clean stop,
 and the systemd conversation (READY once every resource registered, STATUS, WATCHDOG, ...).
 Threads: the main thread runs the loop (signals, the watchdog, NVML retries, the status); the
-registrar, gRPC, health and state run their own and call back through `_wake`. Must not talk
-gRPC, build devices or responses, format the status (agent.status), nor call NVML but through
-agent.nvml.session.
+registrar, gRPC, health and state run their own and call back through `_wake`. NVML calls on
+a GPU run under agent.nvml.guard's budget (agent.nvmlCallTimeout): a GPU that does not answer
+is handed to the health monitor (withdrawn), and one left out of discovery for it is looked
+for again once it answers. Must not talk gRPC, build devices or responses, format the status
+(agent.status), nor call NVML but through agent.nvml.session.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +28,7 @@ from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
+from agent.nvml.guard import GUARD
 from agent.nvml.session import NvmlSession
 from agent.rm.resources import Resources, check_supported
 from agent.services import Services
@@ -66,6 +70,7 @@ class Daemon:
         self._registrations = 0  # seen in the registrar's status
         self._watchdog_at: float | None = None
         self._waiter: Waiter | None = None
+        self._rediscover = False  # a GPU left out of discovery (not answering) answers now
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -76,6 +81,9 @@ class Daemon:
             check_supported(self.cfg)
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
+            GUARD.budget_s = self.cfg.nvml_call_timeout
+            GUARD.on_hung, GUARD.on_answered = self._not_answering, self._answering
+            GUARD.while_waiting = (threading.get_ident(), self._watchdog)  # this thread's
             try:  # health.json and the journal live there
                 os.makedirs(self.cfg.state_dir, mode=0o755, exist_ok=True)
             except OSError as exc:
@@ -155,6 +163,18 @@ class Daemon:
         if old is not None:
             old.stop(wait=False)
 
+    def _not_answering(self, gpu: Any, what: str) -> None:
+        """From agent.nvml.guard (any thread): GPU `gpu` did not answer call `what`."""
+        health = self.health
+        if health is not None:  # else the monitor finds it in GUARD when it starts
+            health.not_answering(gpu, what)
+
+    def _answering(self, gpu: Any, what: str) -> None:
+        """From agent.nvml.guard: GPU `gpu` answers again; discover it if it was left out."""
+        if gpu not in {g.index for g in self.resources.gpus}:
+            self._rediscover = True
+            self._waiter.wake()
+
     # -- the loop ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -173,19 +193,29 @@ class Daemon:
             self._on_signals(self._waiter.wait(timeout))
             if self.stop_requested:
                 return
+            self._watchdog()
             now = time.monotonic()
-            if self._watchdog_at is not None and now >= self._watchdog_at:
-                self.notifier.watchdog()
-                self._watchdog_at = now + self.notifier.watchdog_interval
             if self.nvml.retry_at is not None and now >= self.nvml.retry_at:
                 self.nvml.retry_at = None
                 self._bring_up()
+            elif self.nvml.up and self._rediscover:
+                self._rediscover = False
+                self._remig()
             elif self.nvml.up and self.resources.mig_watch.changed(self.resources.gpus, now):
                 self._remig()
             self._publish()
 
+    def _watchdog(self) -> None:
+        """Ping systemd's watchdog when due: from the loop, and from inside an NVML call the
+        loop waits for (agent.nvml.guard's while_waiting), which is bounded by its budget."""
+        now = time.monotonic()
+        if self._watchdog_at is not None and now >= self._watchdog_at:
+            self.notifier.watchdog()
+            self._watchdog_at = now + self.notifier.watchdog_interval
+
     def _remig(self) -> None:
-        """A MIG layout changed under the running agent: advertise it as a SIGHUP would."""
+        """A MIG layout changed under the running agent (or a GPU left out of discovery
+        answers again): advertise what is there now as a SIGHUP would."""
         try:
             self._advertise(self.nvml.rediscover(self.resources.gpus), restart_health=False)
         except MigLayoutError as exc:
@@ -225,6 +255,7 @@ class Daemon:
 
     def _apply_config(self, new: Config) -> None:
         old, self.cfg = self.cfg, new
+        GUARD.budget_s = new.nvml_call_timeout
         self.reloads += 1
         self.last_error = ""
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,

@@ -109,6 +109,20 @@ class NvmlError(AgentError):
         return self.code == NVML_CODES["GPU_IS_LOST"]
 
 
+class NvmlNotAnswering(NvmlError):
+    """A GPU's NVML call did not return within agent.nvml.guard's budget (it may still be
+    running), or one still has not: the GPU is "NVML not answering". An NvmlError with NVML's
+    own TIMEOUT code, so a caller that handles NVML failures handles this one too."""
+
+    def __init__(self, gpu: object, function: str, budget_s: float, since_s: float = 0.0):
+        self.gpu = gpu
+        self.budget_s = budget_s
+        super().__init__(NVML_CODES["TIMEOUT"], function)
+        waited = (f"a call has not returned for {since_s:.1f} s" if since_s > budget_s
+                  else f"no answer within {budget_s:g} s")
+        self.args = (f"{function}: NVML not answering on GPU {gpu} ({waited})",)
+
+
 class NvmlLibraryError(AgentError):
     """The NVML shared library could not be opened or lacks a function we need."""
 

@@ -254,6 +254,7 @@ class NotifySocket:
             self.sock.bind(self.address)
         self.sock.settimeout(0.1)
         self.messages: list[dict[str, str]] = []
+        self.times: list[float] = []  # time.monotonic() each message came
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._receive, daemon=True)
@@ -270,6 +271,7 @@ class NotifySocket:
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             with self._cond:
                 self.messages.append(fields)
+                self.times.append(time.monotonic())
                 self._cond.notify_all()
 
     def wait(self, predicate, what: str, timeout: float = WAIT) -> list[dict[str, str]]:

@@ -7,8 +7,11 @@ storm during Allocates (exactly the GPUs struck by a withdrawing XID are withdra
 Allocate on the others is answered); 50 SIGHUPs sent back to back during Allocates (none
 refused, the resource never drops to 0, the last config is the one live); a GPU lost and
 restored during Allocates on another; kubelet flapping 100 times without waiting for the
-agent (it ends registered once with the last kubelet); and unknown files in the state
-directory (left as they are). The full disk, the corrupt state files, kill -9 and NVML init
+agent (it ends registered once with the last kubelet); unknown files in the state
+directory (left as they are); and a GPU whose NVML calls hang (`gpu-agent sim hang`), at run
+time and at start: it is withdrawn as "NVML not answering" while Allocate, ListAndWatch,
+reloads, scrapes and the systemd watchdog go on, and returns (or is discovered) once it
+answers. The full disk, the corrupt state files, kill -9 and NVML init
 failing then recovering have their tests beside the code they exercise (test_state_daemon,
 test_daemon_lifecycle). Nothing here asserts on timing.
 """
@@ -20,13 +23,14 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
-from tests.daemon_harness import GPU, Node, unhealthy
+from tests.daemon_harness import GPU, Node, NotifySocket, unhealthy
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -198,3 +202,78 @@ def test_unknown_files_in_the_state_directory_are_left_as_they_are(node):
         with open(os.path.join(node.state, name), "rb") as f:
             assert f.read() == data, name
     assert "ERROR" not in agent.log
+
+
+# -- a GPU whose NVML calls hang ---------------------------------------------------------------
+
+WATCHDOG_USEC = 3_000_000  # the agent pings every 1.5 s; systemd would kill it after 3 s without
+
+
+def _metrics_port(node) -> int:
+    doc = node.status_when(lambda d: (d.get("metrics") or {}).get("listening"),
+                           "the metrics endpoint listening")
+    return doc["metrics"]["port"]
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _watchdog_gaps(notify) -> list[float]:
+    """Seconds between consecutive WATCHDOG=1 pings."""
+    times = [t for m, t in zip(notify.messages, notify.times) if m.get("WATCHDOG") == "1"]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_a_gpu_whose_nvml_calls_hang_is_withdrawn_and_nothing_waits_on_it(node):
+    notify = NotifySocket(node)
+    try:
+        agent = node.agent("--nvml-call-timeout", "500ms", "--recovery-quiet-period", "600s",
+                           env=node.env(NOTIFY_SOCKET=notify.address,
+                                        WATCHDOG_USEC=str(WATCHDOG_USEC)))
+        agent.wait_registered()
+        port = _metrics_port(node)
+        allocating = _Allocating(agent, [UUIDS[0]])
+        control.hang(node.ctl, 3, 600)
+        hung_at = len(notify.messages)
+        agent.send(signal.SIGHUP)  # the reload reads the GPUs again: GPU 3 does not answer
+        agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == {UUIDS[3]},
+                       "GPU 3 withdrawn")
+        node.status_when(lambda d: d.get("reloads") == 1, "the reload done")
+        out = node.status_with("NVML not answering")
+        assert f"GPU 3 {UUIDS[3]}" in out
+        text = _scrape(port)  # answers, without GPU 3's telemetry
+        assert f'gpu_agent_gpu_temperature_celsius{{gpu="0",uuid="{UUIDS[0]}"}}' in text
+        assert f'uuid="{UUIDS[3]}"}} ' not in text.split("gpu_agent_gpu_temperature")[1]
+        agent.send(signal.SIGHUP)  # a reload while it still hangs does not wait on it either
+        node.status_when(lambda d: d.get("reloads") == 2, "the second reload done")
+        res = node.client.state().resource(GPU)
+        assert res.allocatable == 7 and len(res.devices) == 8 and res.registrations == 1
+        notify.wait(lambda m: sum(x.get("WATCHDOG") == "1" for x in m[hung_at:]) >= 3,
+                    "three watchdog pings while GPU 3 hangs")
+        control.hang(node.ctl, 3, 0)
+        agent.wait_for(lambda s: s.resource(GPU).allocatable == 8, "GPU 3 back once it answers")
+        answered = allocating.stop()
+        assert answered > 0 and allocating.errors == []
+        assert "answers NVML again" in agent.log
+        assert agent.stop() == 0
+        gaps = _watchdog_gaps(notify)  # none as long as systemd's limit, hang or not
+        assert len(gaps) >= 3 and max(gaps) < WATCHDOG_USEC / 1e6, gaps
+        assert "Traceback" not in agent.log
+    finally:
+        notify.close()
+
+
+def test_a_gpu_that_hangs_at_start_is_left_out_and_advertised_once_it_answers(node):
+    control.hang(node.ctl, 5, 600)
+    agent = node.agent("--nvml-call-timeout", "500ms")
+    devices = agent.wait_registered().devices
+    assert UUIDS[5] not in {d.id for d in devices} and len(devices) == 7
+    assert "GPU index 5: GPU discovery: NVML not answering" in agent.log
+    assert agent.allocate([UUIDS[0]]).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"]
+    control.hang(node.ctl, 5, 0)
+    agent.wait_for(lambda s: s.resource(GPU).allocatable == 8, "GPU 5 discovered")
+    assert agent.allocate([UUIDS[5]]).container_responses[0].envs[
+        "NVIDIA_VISIBLE_DEVICES"] == UUIDS[5]
+    assert agent.stop() == 0 and "Traceback" not in agent.log

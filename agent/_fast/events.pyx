@@ -212,15 +212,22 @@ cdef class EventSet:
         cdef unsigned long long wanted = check_event_mask(event_types)
         cdef unsigned long long supported = 0
         cdef nvmlDevice_t device = NULL
+        cdef nvmlReturn_t rc
         if self._closed:
             raise closed_set()
-        _check(self._api.get_handle_by_index(c_index, &device), "nvmlDeviceGetHandleByIndex_v2")
-        _check(self._api.get_supported_event_types(device, &supported),
-               "nvmlDeviceGetSupportedEventTypes")
+        # Without the GIL: on a GPU whose calls hang only this thread waits (the caller
+        # abandons it after agent.nvml.guard's budget), never the whole process.
+        with nogil:
+            rc = self._api.get_handle_by_index(c_index, &device)
+        _check(rc, "nvmlDeviceGetHandleByIndex_v2")
+        with nogil:
+            rc = self._api.get_supported_event_types(device, &supported)
+        _check(rc, "nvmlDeviceGetSupportedEventTypes")
         wanted &= supported
         if wanted:
-            _check(self._api.register_events(device, wanted, self._set),
-                   "nvmlDeviceRegisterEvents")
+            with nogil:
+                rc = self._api.register_events(device, wanted, self._set)
+            _check(rc, "nvmlDeviceRegisterEvents")
         return wanted
 
     def set_ignored_xids(self, xids):

@@ -14,8 +14,10 @@ filter, and a thread that waits on it (GIL released) and:
   event set;
 - registers again the GPUs whose recovery probe passed but that the set lost.
 A second thread returns devices when their fault's recovery rule holds (agent.health.recovery),
-probing through agent.nvml.probe. NVML calls on a sick GPU may hang, so no probe runs under the
-monitor's lock: what to probe (with each GPU's fault generation, bumped by every fault or event
+probing through agent.nvml.probe. NVML calls on a sick GPU may hang, so every NVML call here
+but the event wait runs under agent.nvml.guard's budget (a GPU that does not answer in time is
+withdrawn as "NVML not answering", `not_answering`, and returns once a probe answers), and no
+probe runs under the monitor's lock: what to probe (with each GPU's fault generation, bumped by every fault or event
 on it) is read under the lock, the probes run without it, and their results are applied under
 it again only where the generation is unchanged and the monitor is not stopping; status(), the
 isolation file and event handling never wait for a probe.
@@ -44,7 +46,7 @@ from agent._fast._types import (
     EVENT_XID_CRITICAL,
     NO_INSTANCE,
 )
-from agent.errors import AgentError, NvmlError, NvmlLibraryError
+from agent.errors import AgentError, NvmlError, NvmlLibraryError, NvmlNotAnswering
 from agent.health.isolation import Isolation, IsolationWatch
 from agent.health.policy import (
     ACTION_TEXT,
@@ -56,6 +58,7 @@ from agent.health.policy import (
 from agent.health.recovery import STRENGTH, Fault, FaultFile, reset_may_recover
 from agent.host import boot_id
 from agent.nvml import probe
+from agent.nvml.guard import GUARD
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,8 @@ class HealthMonitor:
             log.warning("%s: reboot-class faults cannot be cleared by a reboot this run", exc)
         with self._lock:
             self._load_faults()
+            for gpu, (what, _) in GUARD.not_answering().items():
+                self._hung(gpu, what)
             if self.isolation_file:
                 self._watch = IsolationWatch(self.isolation_file, self._on_isolation)
                 self._watch.start()
@@ -278,7 +283,8 @@ class HealthMonitor:
     def _try_register(es: Any, gpu: Any) -> tuple[int, NvmlError | None]:
         """The NVML part of _register, which needs no lock: (mask, None) or (0, the error)."""
         try:
-            return es.register(gpu.index, EVENT_TYPES), None
+            return GUARD.call(gpu.index, "NVML event registration", es.register, gpu.index,
+                              EVENT_TYPES), None
         except NvmlError as exc:
             return 0, exc
 
@@ -289,7 +295,8 @@ class HealthMonitor:
                 self._not_supported(gpu, str(exc))
                 return False
             kind, what = (("lost", f"GPU is lost ({exc})") if exc.is_gpu_lost else
-                          ("register", f"cannot register for NVML events ({exc})"))
+                          ("hung", _not_answering(exc.function)) if isinstance(exc, NvmlNotAnswering)
+                          else ("register", f"cannot register for NVML events ({exc})"))
             self._fault_gpu(gpu, kind, RESET, what, None, time.monotonic())
             self._unregistered.add(gpu.uuid)
             return False
@@ -372,8 +379,12 @@ class HealthMonitor:
             return
         if event.event_type == EVENT_XID_CRITICAL and len(targets) == 1 and \
                 event.xid == XID_RECOVERY_ACTION_CHANGED:  # what the driver asks for now
-            action, reason = self.policy.event_action(  # NVML: not under the lock
-                event.event_type, event.xid, probe.recovery_action(targets[0]))
+            try:  # NVML: not under the lock, and not longer than the guard's budget
+                asked = GUARD.call(self.gpus[targets[0]].index, "recovery action",
+                                   probe.recovery_action, targets[0])
+            except NvmlNotAnswering:
+                asked = None  # the table's class; the guard's listener withdraws the GPU
+            action, reason = self.policy.event_action(event.event_type, event.xid, asked)
         if event.uuid is None and event.index is None:
             reason += " (the event names no GPU: every GPU is withdrawn)"
         kind = "xid" if event.event_type == EVENT_XID_CRITICAL else "ecc"
@@ -396,7 +407,7 @@ class HealthMonitor:
                 self._apply("")
 
     def _on_wait_error(self, exc: NvmlError) -> None:
-        lost = probe.lost(list(self.gpus)) if exc.is_gpu_lost else []  # NVML: not under the lock
+        lost = self._lost() if exc.is_gpu_lost else []  # NVML: not under the lock
         with self._lock:
             self.wait_errors += 1
             now = time.monotonic()
@@ -417,12 +428,47 @@ class HealthMonitor:
             log.info("re-establishing the NVML event set after: %s", exc)
             self._open_set()
 
+    def _lost(self) -> list[str]:
+        """The GPUs NVML says are lost, each asked under the guard's budget (one that does not
+        answer is not counted lost: the guard's listener withdraws it as not answering)."""
+        lost = []
+        for uuid, gpu in self.gpus.items():
+            try:
+                lost += GUARD.call(gpu.index, "lost GPU probe", probe.lost, [uuid])
+            except NvmlNotAnswering:
+                pass
+        return lost
+
+    def not_answering(self, gpu: Any, what: str) -> None:
+        """From agent.nvml.guard's listener (any thread): NVML call `what` on GPU `gpu` (its
+        index, or UUID) did not return within the budget. Its devices are withdrawn (a
+        reset-class fault of kind `hung`) until a recovery probe answers."""
+        with self._lock:
+            if self._hung(gpu, what):
+                self._apply("")
+
+    def _hung(self, gpu: Any, what: str) -> bool:
+        uuid = self.by_index.get(gpu, gpu)
+        if uuid not in self.gpus or self._stop.is_set():
+            return False
+        if not self.policy.enabled:
+            log.warning("GPU %s %s: NVML not answering (%s); health checks are disabled: it "
+                        "stays advertised", self.gpus[uuid].index, uuid, what)
+            return False
+        self._fault_gpu(self.gpus[uuid], "hung", RESET, _not_answering(what), None,
+                        time.monotonic())
+        return True
+
     # -- recovery ------------------------------------------------------------------------------
 
     def _run_recovery(self) -> None:
         # every TICK_S while a fault waits to end; once per wait (as the event loop) otherwise
         while not self._stop.wait(TICK_S if self._faults else WAIT_MS / 1000):
             self._guarded(self._recover, "health recovery")
+            if self._file.error:  # health.json could not be written: try again until it is
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._file.save(list(self._faults.values()))
 
     def _recover(self) -> None:
         """One recovery check: which GPUs are due a probe is read under the lock, the probes
@@ -435,7 +481,12 @@ class HealthMonitor:
         for uuid, gpu, gen in due:
             if self._stop.is_set():
                 return
-            problem = self.recovery_probe(uuid, gpu.pci_bus_id if gpu is not None else None)
+            try:
+                problem = GUARD.call(gpu.index if gpu is not None else uuid, "recovery probe",
+                                     self.recovery_probe, uuid,
+                                     gpu.pci_bus_id if gpu is not None else None)
+            except NvmlNotAnswering as exc:
+                problem = str(exc)
             results.append((uuid, gpu, gen, problem))
         if not results:
             return
@@ -645,7 +696,7 @@ class HealthMonitor:
 
     def withdrawn(self) -> dict[str, str]:
         """device id -> why it is Unhealthy, as a class: its fault's kind (xid, ecc, lost,
-        register, wait) or `isolated` (the isolation file)."""
+        hung, register, wait) or `isolated` (the isolation file)."""
         with self._lock:
             return {i: (self._faults[i].kind if i in self._faults else "isolated")
                     for i, (healthy, _) in self._applied.items() if not healthy}
@@ -690,6 +741,11 @@ class HealthMonitor:
                 "unhealthy": unhealthy,
                 "transitions": list(self._transitions)[-20:],
             }
+
+
+def _not_answering(what: str) -> str:
+    """The withdrawal reason of a GPU whose NVML call `what` did not return in time."""
+    return f"NVML not answering: {what} did not return within {GUARD.budget_s:g} s"
 
 
 def format_status(doc: dict) -> list[str]:

@@ -27,12 +27,13 @@ log = logging.getLogger(__name__)
 
 FILE_NAME = "health.json"
 FORMAT_VERSION = 1
-KINDS = ("xid", "ecc", "lost", "register", "wait")
+KINDS = ("xid", "ecc", "lost", "hung", "register", "wait")
 
 
 class Fault:
     """Why one advertised device is withdrawn. `kind`: xid, ecc (double-bit ECC event), lost
-    (GPU_IS_LOST), register (event registration failed), wait (a wait error naming no GPU).
+    (GPU_IS_LOST), hung (an NVML call did not return within the budget), register (event
+    registration failed), wait (a wait error naming no GPU).
     The monitor updates a fault in place as new events come."""
 
     __slots__ = ("device_id", "gpu_uuid", "gpu_index", "kind", "action", "reason", "xid",
@@ -81,9 +82,12 @@ STRENGTH = {a: i for i, a in enumerate(XID_ACTIONS)}  # ignore < application < r
 
 
 def reset_may_recover(fault: Fault, now: float, quiet_s: float) -> bool:
-    """The time part of the reset rule: no critical event for `quiet_s` (monotonic `now`).
-    The caller still needs a passing probe (and, for lost/register faults, a registration)."""
-    return fault.action == RESET and now - fault.last_event >= quiet_s
+    """The time part of the reset rule: no critical event for `quiet_s` (monotonic `now`);
+    none for a GPU that did not answer (a hang is no critical event: it ends when the GPU
+    answers). The caller still needs a passing probe (and, for lost/register faults, a
+    registration)."""
+    return fault.action == RESET and (fault.kind == "hung" or
+                                      now - fault.last_event >= quiet_s)
 
 
 class FaultFile:
@@ -125,7 +129,8 @@ class FaultFile:
         return kept_faults, cleared
 
     def save(self, faults: list[Fault]) -> None:
-        """Write the faults (atomically); only when they differ from the last write."""
+        """Write the faults (atomically); only when they differ from the last write. After a
+        failed write the monitor calls this again until one succeeds."""
         if self.path is None:
             return
         doc = {"version": FORMAT_VERSION,
@@ -140,5 +145,7 @@ class FaultFile:
                 log.error("%s; withdrawn GPUs would come back after an agent restart", message)
             self.error = message
             return
+        if self.error.startswith("cannot write"):
+            log.info("health state %s is written again", self.path)
         self._last = doc
         self.error = ""

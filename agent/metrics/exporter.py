@@ -4,8 +4,9 @@ Owns: the listening socket on agent.metricsAddress (its thread sleeps in accept(
 scrapes; the HTTP server and prometheus_client come with the first connection), which container
 holds each device (kubelet's podresources asked at scrape time; the allocation journal's
 attributions while kubelet does not answer), the GPUs' telemetry read through
-agent.nvml.telemetry on a worker pool within a time budget (a GPU that has not answered by then
-is left out and counted, and not asked again while that call still hangs), and the status
+agent.nvml.telemetry on agent.nvml.guard's workers within a time budget (a GPU that has not
+answered by then is left out and counted, and not asked again while that call still hangs;
+one whose call outlives the guard's own budget is withdrawn by it), and the status
 `gpu-agent status` shows. Must not change any part of the daemon it reads, call NVML but
 through agent.nvml.telemetry, or take a lock Allocate waits on.
 """
@@ -13,7 +14,6 @@ through agent.nvml.telemetry, or take a lock Allocate waits on.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -22,7 +22,8 @@ from concurrent import futures
 from typing import Any
 
 from agent.constants import TELEMETRY_BUDGET_S
-from agent.errors import PodResourcesError
+from agent.errors import NvmlNotAnswering, PodResourcesError
+from agent.nvml.guard import GUARD
 from agent.nvml.telemetry import TelemetryReader
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ class Exporter:
         self._nvml_attempts = 0  # the NVML session the reader's handles belong to
         self.failures: dict[tuple[int, str, str], int] = {}  # (gpu, uuid, cause) -> count
         self._inflight: dict[str, futures.Future] = {}
-        self._pool = _Workers("metrics-nvml")
         self._podresources: Any = None
         self._server: Any = None
         self._lock = threading.Lock()  # one scrape at a time
@@ -76,7 +76,6 @@ class Exporter:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        self._pool.stop()  # a thread in a hung NVML call stays until the process ends
         if self._podresources is not None:
             self._podresources.close()
             self._podresources = None
@@ -142,7 +141,11 @@ class Exporter:
             if busy is not None and not busy.done():
                 self._count(gpus[uuid], uuid, "busy")
                 continue
-            submitted[uuid] = self._inflight[uuid] = self._pool.submit(self.reader.read, uuid)
+            try:
+                submitted[uuid] = self._inflight[uuid] = GUARD.submit(
+                    gpus[uuid], "telemetry", self.reader.read, uuid)
+            except NvmlNotAnswering:  # a call on it (from anywhere) outlived the budget
+                self._count(gpus[uuid], uuid, "busy")
         done, _ = futures.wait(submitted.values(), timeout=self.budget_s)
         readings = {}
         for uuid, future in submitted.items():
@@ -152,8 +155,10 @@ class Exporter:
                             gpus[uuid], uuid, self.budget_s)
                 continue
             del self._inflight[uuid]
-            if future.exception() is not None:
+            if future.exception() is not None:  # a bug: this GPU is left out of the scrape
                 self._count(gpus[uuid], uuid, "error")
+                log.error("metrics: reading GPU %d %s failed", gpus[uuid], uuid,
+                          exc_info=future.exception())
                 continue
             reading = future.result()
             if reading.errors:
@@ -166,53 +171,6 @@ class Exporter:
     def _count(self, index: int, uuid: str, cause: str) -> None:
         key = (index, uuid, cause)
         self.failures[key] = self.failures.get(key, 0) + 1
-
-
-class _Workers:
-    """Daemon threads for the NVML reads, made as a scrape needs them (one per GPU at most,
-    plus one per GPU whose call hangs) and then kept idle. Not a ThreadPoolExecutor: its
-    threads are joined when the interpreter exits, so a hung NVML call would hold up the
-    agent's stop."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads = 0
-
-    def submit(self, fn: Any, *args: Any) -> futures.Future:
-        future: futures.Future = futures.Future()
-        self._tasks.put((future, fn, args))
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-                return future
-            self._threads += 1
-            name = f"{self.name}-{self._threads}"
-        threading.Thread(target=self._work, name=name, daemon=True).start()
-        return future
-
-    def stop(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, 0
-        for _ in range(idle):
-            self._tasks.put(None)
-
-    def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            future, fn, args = task
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except Exception as exc:  # a bug: this GPU is left out of the scrape
-                    log.exception("metrics: reading %s failed", args)
-                    future.set_exception(exc)
-            with self._lock:
-                self._idle += 1
 
 
 class _Server:

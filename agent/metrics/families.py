@@ -56,7 +56,7 @@ def collect(x: Any) -> Iterator[Any]:
     withdrawn = d.health.withdrawn() if d.health is not None else {}
     health = GaugeMetricFamily(f"{NS}_device_healthy", "1 if the device is advertised "
                                "Healthy; reason: why it is withdrawn (xid, ecc, lost, "
-                               "register, wait, isolated, unsupported)",
+                               "hung, register, wait, isolated, unsupported)",
                                labels=DEVICE_LABELS + ("reason",))
     allocated = GaugeMetricFamily(f"{NS}_device_allocated", "1 per container the device "
                                   "is allocated to (namespace, pod, container); 0 with "

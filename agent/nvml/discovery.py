@@ -2,18 +2,22 @@
 
 Owns: turning NVML's view of the node into plain, immutable records (`Gpu`, `Link`) that the
 rest of the agent uses without touching NVML. Reads happen once per call of `discover()` /
-`read_links()`; callers cache them. Must not hold state, talk gRPC, or decide policy.
+`read_links()`; callers cache them. Each GPU is read under agent.nvml.guard's budget: one
+that does not answer keeps the record read before (a reload), or is left out (at start).
+Must not hold state, talk gRPC, or decide policy.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import pynvml
 
-from agent.errors import NvmlError, nvml_error
+from agent.errors import NvmlError, NvmlNotAnswering, nvml_error
+from agent.nvml.guard import GUARD
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +132,27 @@ def _read_gpu(index: int, sys_root: str) -> Gpu:
     )
 
 
-def discover(sys_root: str = "/sys") -> list[Gpu]:
+def discover(sys_root: str = "/sys", known: Sequence[Gpu] = ()) -> list[Gpu]:
     """Every physical GPU NVML reports, by index. NVML must be initialised.
 
     A GPU that NVML reports lost (fallen off the bus) cannot be identified, so it is left out
     with a warning and the others are still returned: one broken GPU must not take the node's
-    healthy GPUs away from kubelet. Any other NVML failure raises NvmlError.
+    healthy GPUs away from kubelet. A GPU that does not answer within the guard's budget keeps
+    its record among `known` (what was read before), else is left out; the guard has told its
+    listener (the GPU is withdrawn). Any other NVML failure raises NvmlError.
     """
+    before = {g.index: g for g in known}
     gpus = []
     for index in range(_call(pynvml.nvmlDeviceGetCount)):
         try:
-            gpus.append(_read_gpu(index, sys_root))
+            gpus.append(GUARD.call(index, "GPU discovery", _read_gpu, index, sys_root))
+        except NvmlNotAnswering as exc:
+            if index in before:
+                log.warning("GPU %d %s: %s; keeping what was read before", index,
+                            before[index].uuid, exc)
+                gpus.append(before[index])
+            else:
+                log.error("GPU index %d: %s; left out until it answers", index, exc)
         except NvmlError as exc:
             if not exc.is_gpu_lost:
                 raise
@@ -188,28 +202,30 @@ def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
     handles = {}
     for gpu in gpus:
         try:
-            handles[gpu.index] = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
+            handles[gpu.index] = GUARD.call(gpu.index, "topology", _call,
+                                            pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
         except NvmlError as exc:
             log.warning("GPU %s (index %d) unreadable for topology: %s", gpu.uuid, gpu.index, exc)
     bus_to_index = {gpu.pci_bus_id.lower(): gpu.index for gpu in gpus}
-    nv = {i: _nvlink_peers(h, bus_to_index) for i, h in handles.items()}
+    rows = {}  # index -> (NVLink peers, switch links, PCIe level to each later GPU)
+    for x, a in enumerate(gpus):
+        if a.index in handles:
+            later = [(b, handles[b.index]) for b in gpus[x + 1:]
+                     if b.index in handles and b.index != a.index]
+            try:  # one guarded call per GPU, not per pair: 64 GPUs are 2,016 pairs
+                rows[a.index] = GUARD.call(a.index, "topology", _row, a, handles[a.index],
+                                           later, bus_to_index)
+            except NvmlNotAnswering as exc:
+                log.warning("GPU %s (index %d) unreadable for topology: %s", a.uuid, a.index,
+                            exc)
     links: dict[tuple[int, int], Link] = {}
     for x, a in enumerate(gpus):
         for b in gpus[x + 1:]:
             if a.index == b.index:
                 continue
-            level = LEVEL_SYSTEM
-            if a.index in handles and b.index in handles:
-                try:
-                    level = int(_call(pynvml.nvmlDeviceGetTopologyCommonAncestor,
-                                      handles[a.index], handles[b.index]))
-                except NvmlError as exc:
-                    log.warning("no PCIe level for GPUs %s (index %d) and %s (index %d): %s; "
-                                "counted as SYS", a.uuid, a.index, b.uuid, b.index, exc)
-            if level not in LEVEL_NAMES:
-                level = LEVEL_SYSTEM
-            peers_a, switch_a = nv.get(a.index, ({}, 0))
-            peers_b, switch_b = nv.get(b.index, ({}, 0))
+            peers_a, switch_a, levels = rows.get(a.index, ({}, 0, {}))
+            peers_b, switch_b, _ = rows.get(b.index, ({}, 0, {}))
+            level = levels.get(b.index, LEVEL_SYSTEM)
             # Each side counts its own links to the other; a link one side cannot read is
             # still a link (the larger count).
             direct = max(peers_a.get(b.index, 0), peers_b.get(a.index, 0))
@@ -217,3 +233,19 @@ def read_links(gpus: list[Gpu]) -> dict[tuple[int, int], Link]:
             link = Link(level, direct + switched, via_switch=bool(switched))
             links[(a.index, b.index)] = links[(b.index, a.index)] = link
     return links
+
+
+def _row(a: Gpu, handle, later: list, bus_to_index: dict[str, int]):
+    """GPU `a`'s part of the model: its NVLink peers and switch links, and its PCIe level to
+    each GPU in `later` ((Gpu, handle) pairs); a level NVML cannot give counts as SYS."""
+    peers, switch_links = _nvlink_peers(handle, bus_to_index)
+    levels = {}
+    for b, other in later:
+        try:
+            level = int(_call(pynvml.nvmlDeviceGetTopologyCommonAncestor, handle, other))
+        except NvmlError as exc:
+            log.warning("no PCIe level for GPUs %s (index %d) and %s (index %d): %s; "
+                        "counted as SYS", a.uuid, a.index, b.uuid, b.index, exc)
+            level = LEVEL_SYSTEM
+        levels[b.index] = level if level in LEVEL_NAMES else LEVEL_SYSTEM
+    return peers, switch_links, levels

@@ -18,6 +18,11 @@ module reads the same facts from the MIG device's attributes (its GPU and comput
 slice counts and memory) and the parent's GPU instance profile table (the constant whose
 profile has those slices and that memory, the device's name deciding between look-alikes such
 as 1g.10gb and 1g.10gb+me), which needs no instance handles.
+
+Each GPU is read under agent.nvml.guard's budget. A GPU that does not answer keeps its MIG
+devices as last read in this process (`_last_read`, the one state kept here), and its entry of
+the last `layout` given: the devices of a GPU that hangs stay advertised (and withdrawn by the
+health monitor) instead of vanishing.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from typing import NamedTuple
 
 import pynvml
 
-from agent.errors import AgentError, NvmlError
+from agent.errors import AgentError, NvmlError, NvmlNotAnswering
 from agent.host import mig_minors
 from agent.nvml.discovery import Gpu, _call, _text
+from agent.nvml.guard import GUARD
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +143,14 @@ def _mig_handles(handle) -> Iterator[tuple[int, object]]:
                 raise
 
 
+# GPU UUID -> its MIG devices as last read: what a GPU that does not answer keeps.
+_last_read: dict[str, list[MigDevice]] = {}
+
+
 def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
     """The MIG devices of the MIG-enabled GPUs among `gpus`, by GPU index then handle index.
-    NvmlError when NVML cannot say (a lost GPU included: the caller decides)."""
+    NvmlError when NVML cannot say (a lost GPU included: the caller decides); a GPU that does
+    not answer within the guard's budget keeps the devices last read."""
     out = []
     minors: dict[str, int] | None = None
     for gpu in sorted(gpus, key=lambda g: g.index):
@@ -151,40 +162,64 @@ def read_mig_devices(gpus: Iterable[Gpu]) -> list[MigDevice]:
             except AgentError as exc:
                 log.warning("%s: MIG devices get no capability nodes", exc)
                 minors = {}
-        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
-        profiles = _gi_profiles(handle)
-        for j, mig in _mig_handles(handle):
-            attrs = _call(pynvml.nvmlDeviceGetAttributes_v2, mig)
-            name = _text(_call(pynvml.nvmlDeviceGetName, mig))
-            gi_slices, ci_slices = attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount
-            suffix = _suffix(profiles, gi_slices, attrs.memorySizeMB, name)
-            gi = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig)
-            ci = _call(pynvml.nvmlDeviceGetComputeInstanceId, mig)
-            out.append(MigDevice(
-                parent=gpu, index=j, uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
-                gi=gi, ci=ci, caps=_caps(minors, gpu, gi, ci),
-                profile=profile_name(ci_slices, gi_slices,
-                                     memory_gb(gpu.memory_total, attrs.memorySizeMB), suffix),
-                memory_mb=int(attrs.memorySizeMB), gi_slices=int(gi_slices),
-                ci_slices=int(ci_slices), multiprocessors=int(attrs.multiprocessorCount)))
+        try:
+            found = GUARD.call(gpu.index, "MIG devices", _read_gpu_migs, gpu, minors)
+        except NvmlNotAnswering as exc:
+            found = _last_read.get(gpu.uuid, [])
+            log.warning("GPU %d %s: %s; keeping its %d MIG devices as last read", gpu.index,
+                        gpu.uuid, exc, len(found))
+        _last_read[gpu.uuid] = found
+        out += found
     return out
 
 
-def layout(gpus: Iterable[Gpu]) -> tuple:
+def _read_gpu_migs(gpu: Gpu, minors: dict[str, int]) -> list[MigDevice]:
+    out = []
+    handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
+    profiles = _gi_profiles(handle)
+    for j, mig in _mig_handles(handle):
+        attrs = _call(pynvml.nvmlDeviceGetAttributes_v2, mig)
+        name = _text(_call(pynvml.nvmlDeviceGetName, mig))
+        gi_slices, ci_slices = attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount
+        suffix = _suffix(profiles, gi_slices, attrs.memorySizeMB, name)
+        gi = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig)
+        ci = _call(pynvml.nvmlDeviceGetComputeInstanceId, mig)
+        out.append(MigDevice(
+            parent=gpu, index=j, uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
+            gi=gi, ci=ci, caps=_caps(minors, gpu, gi, ci),
+            profile=profile_name(ci_slices, gi_slices,
+                                 memory_gb(gpu.memory_total, attrs.memorySizeMB), suffix),
+            memory_mb=int(attrs.memorySizeMB), gi_slices=int(gi_slices),
+            ci_slices=int(ci_slices), multiprocessors=int(attrs.multiprocessorCount)))
+    return out
+
+
+def layout(gpus: Iterable[Gpu], known: tuple = ()) -> tuple:
     """What a MIG reconfiguration changes, cheaply read: per MIG-capable GPU its current and
     pending MIG mode and its MIG devices' UUIDs (a few NVML calls per GPU, no profile tables).
     Two reads are equal exactly when no instance was created or destroyed and no mode
-    changed. NvmlError when NVML cannot say."""
+    changed. NvmlError when NVML cannot say; a GPU that does not answer within the guard's
+    budget keeps its entry in `known` (the layout read before)."""
+    before = {entry[0]: entry for entry in known}
     out = []
     for gpu in sorted(gpus, key=lambda g: g.index):
-        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
         try:
-            current, pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
-        except NvmlError as exc:
-            if exc.is_not_supported:
-                continue
-            raise
-        uuids = [_text(_call(pynvml.nvmlDeviceGetUUID, mig))
-                 for _, mig in (_mig_handles(handle) if current else ())]
-        out.append((gpu.uuid, int(current), int(pending), tuple(uuids)))
+            entry = GUARD.call(gpu.index, "MIG layout", _gpu_layout, gpu)
+        except NvmlNotAnswering:
+            entry = before.get(gpu.uuid)
+        if entry is not None:
+            out.append(entry)
     return tuple(out)
+
+
+def _gpu_layout(gpu: Gpu) -> tuple | None:
+    handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
+    try:
+        current, pending = _call(pynvml.nvmlDeviceGetMigMode, handle)
+    except NvmlError as exc:
+        if exc.is_not_supported:
+            return None
+        raise
+    uuids = [_text(_call(pynvml.nvmlDeviceGetUUID, mig))
+             for _, mig in (_mig_handles(handle) if current else ())]
+    return (gpu.uuid, int(current), int(pending), tuple(uuids))

@@ -76,9 +76,10 @@ class NvmlSession:
                             self.path)
 
     def rediscover(self, known: list[discovery.Gpu]) -> list[discovery.Gpu]:
-        """The GPUs now (a reload), or `known` when discovery fails."""
+        """The GPUs now (a reload), or `known` when discovery fails; a GPU that does not
+        answer keeps its record in `known`."""
         try:
-            gpus = discovery.discover()
+            gpus = discovery.discover(known=known)
         except NvmlError as exc:
             log.error("GPU discovery on reload failed: %s; keeping the %d GPUs found before",
                       exc, len(known))

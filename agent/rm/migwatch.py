@@ -33,23 +33,23 @@ class MigWatch:
         self.interval = cfg.mig_check_interval if on else 0.0
         self.due = now + self.interval if on else None
         if on:
-            self.seen = self._read(gpus) or self.seen
+            self.seen = self._read(gpus, self.seen) or self.seen
 
     def changed(self, gpus: Sequence[Any], now: float) -> bool:
         """When due: read the layout; whether it differs from the one advertised."""
         if self.due is None or now < self.due:
             return False
         self.due = now + self.interval
-        current = self._read(gpus)
+        current = self._read(gpus, self.seen)
         if current is None or current == self.seen:
             return False
         log.info("MIG layout changed: %s", _describe(self.seen, current))
         return True
 
     @staticmethod
-    def _read(gpus: Sequence[Any]) -> tuple | None:
+    def _read(gpus: Sequence[Any], seen: tuple) -> tuple | None:
         try:
-            return mig.layout(gpus)
+            return mig.layout(gpus, known=seen)  # a GPU that hangs keeps what was seen
         except NvmlError as exc:  # a lost GPU, a driver hiccup: the next read tells
             log.debug("MIG layout unreadable: %s", exc)
             return None

@@ -1,0 +1,213 @@
+"""NVML calls under a time budget: a GPU whose driver calls hang holds up no caller.
+
+Owns: `Guard` and the process's one instance `GUARD` (NVML is one library per process): every
+NVML call the agent makes on a GPU outside the event wait runs on a worker thread; the caller
+waits at most the budget (`agent.nvmlCallTimeout`) and then gets NvmlNotAnswering while the
+call goes on without it. A GPU with a call past its budget is *not answering*: `on_hung` is
+told once (the daemon withdraws the GPU through the health monitor), further calls on it fail
+at once without starting a thread, and when its last late call returns it answers again
+(`on_answered`; the health monitor's recovery probe then finds it back). A watcher thread
+notices a call that nobody waits for (a scrape that gave up on it) reaching its budget; it
+sleeps while no call is in flight, so an idle agent stays idle. A thread that must keep doing
+something while it waits (the daemon's main loop pings the systemd watchdog) registers it as
+`while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. Also `Workers`, the daemon
+threads the calls run on (not a ThreadPoolExecutor: its threads are joined at interpreter exit,
+so a hung call would hold up the agent's stop).
+
+Must not know what a call does or decide what a hang means for the GPU's devices (the health
+monitor does), nor hold its lock while calling back or calling NVML.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from concurrent import futures
+from typing import Any, Callable
+
+from agent.constants import DEFAULT_NVML_CALL_TIMEOUT_S
+from agent.errors import NvmlNotAnswering
+
+log = logging.getLogger(__name__)
+
+# (GPU key, what did not answer) -> None; called from the thread that noticed, no lock held.
+Listener = Callable[[Hashable, str], None]
+# How often a `while_waiting` thread's hook runs while its call is in flight.
+WAIT_SLICE_S = 0.25
+
+
+class Workers:
+    """Daemon threads made as calls need them and then kept idle (one per call in flight)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, fn: Any, *args: Any) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._tasks.put((future, fn, args))
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                return future
+            self._threads += 1
+            name = f"{self.name}-{self._threads}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._tasks.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+class _Call:
+    __slots__ = ("gpu", "what", "started", "deadline", "future", "late", "done")
+
+    def __init__(self, gpu: Hashable, what: str, started: float, deadline: float,
+                 future: futures.Future):
+        self.gpu, self.what, self.started, self.deadline = gpu, what, started, deadline
+        self.future = future
+        self.late = False  # past its budget while still running
+        self.done = False
+
+    def __lt__(self, other: _Call) -> bool:
+        return self.deadline < other.deadline
+
+
+class Guard:
+    """NVML calls per GPU (`gpu`: its index, or its UUID where no index is known) under a
+    budget of `budget_s` seconds."""
+
+    def __init__(self, budget_s: float = DEFAULT_NVML_CALL_TIMEOUT_S):
+        self.budget_s = budget_s
+        self.on_hung: Listener | None = None
+        self.on_answered: Listener | None = None
+        # (thread ident, hook): calls from that thread run hook() every WAIT_SLICE_S they wait
+        self.while_waiting: tuple[int, Callable[[], None]] | None = None
+        self._workers = Workers("nvml-call")
+        self._cond = threading.Condition(threading.Lock())
+        self._late: dict[Hashable, list[_Call]] = {}  # GPU -> its calls past their budget
+        self._deadlines: list[_Call] = []  # heap of the calls in flight
+        self._watcher: threading.Thread | None = None
+
+    def call(self, gpu: Hashable, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on a worker; its result or exception, or NvmlNotAnswering after the
+        budget (or at once while the GPU has a call past its budget). A budget of 0: fn(*args)
+        here, waited for however long it takes."""
+        if self.budget_s <= 0:
+            return fn(*args)
+        c = self._start(gpu, what, fn, args)
+        hook = self.while_waiting
+        hook = hook[1] if hook is not None and hook[0] == threading.get_ident() else None
+        while True:
+            left = c.deadline - time.monotonic()
+            try:
+                if left > 0:
+                    return c.future.result(timeout=min(left, WAIT_SLICE_S) if hook else left)
+            except futures.TimeoutError:
+                if hook is not None:
+                    hook()
+                continue
+            self._overdue(c)
+            raise NvmlNotAnswering(gpu, what, self.budget_s)
+
+    def submit(self, gpu: Hashable, what: str, fn: Callable[..., Any],
+               *args: Any) -> futures.Future:
+        """fn(*args) on a worker, for a caller that waits less than the budget (a scrape):
+        the watcher marks the GPU not answering if the call outlives the budget. Raises
+        NvmlNotAnswering at once while the GPU has a call past its budget."""
+        return self._start(gpu, what, fn, args).future
+
+    def not_answering(self) -> dict[Hashable, tuple[str, float]]:
+        """GPU -> (what has not returned, since when: time.monotonic()), for every GPU with
+        a call past its budget."""
+        with self._cond:
+            return {gpu: (calls[0].what, calls[0].started) for gpu, calls in self._late.items()}
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _start(self, gpu: Hashable, what: str, fn: Callable[..., Any], args: tuple) -> _Call:
+        now = time.monotonic()
+        with self._cond:
+            late = self._late.get(gpu)
+            if late:
+                raise NvmlNotAnswering(gpu, what, self.budget_s, now - late[0].started)
+        c = _Call(gpu, what, now, now + self.budget_s, self._workers.submit(fn, *args))
+        if self.budget_s <= 0:  # no budget: nothing to watch
+            return c
+        with self._cond:
+            heapq.heappush(self._deadlines, c)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="nvml-guard",
+                                                 daemon=True)
+                self._watcher.start()
+            elif len(self._deadlines) == 1:  # the watcher sleeps for want of calls
+                self._cond.notify()
+        c.future.add_done_callback(lambda _, c=c: self._done(c))
+        return c
+
+    def _done(self, c: _Call) -> None:
+        with self._cond:
+            c.done = True
+            calls = self._late.get(c.gpu, [])
+            if c not in calls:
+                return
+            calls.remove(c)
+            if calls:
+                return
+            del self._late[c.gpu]
+        log.info("GPU %s answers NVML again: %s returned after %.1f s", c.gpu, c.what,
+                 time.monotonic() - c.started)
+        if self.on_answered is not None:
+            self.on_answered(c.gpu, c.what)
+
+    def _overdue(self, c: _Call) -> None:
+        """Mark `c` late (its caller gave up, or the watcher saw its deadline pass); tell
+        on_hung when it is the GPU's first late call."""
+        with self._cond:
+            if c.late or c.done:
+                return
+            c.late = True
+            calls = self._late.setdefault(c.gpu, [])
+            calls.append(c)
+            first = len(calls) == 1
+        if first:
+            log.warning("GPU %s: NVML not answering: %s did not return within %g s; calls on "
+                        "this GPU fail at once until it does", c.gpu, c.what, self.budget_s)
+            if self.on_hung is not None:
+                self.on_hung(c.gpu, c.what)
+
+    def _watch(self) -> None:
+        """Sleeps while no call is in flight; else until the earliest deadline."""
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = []
+                while self._deadlines and (self._deadlines[0].done or
+                                           self._deadlines[0].deadline <= now):
+                    c = heapq.heappop(self._deadlines)
+                    if not c.done:
+                        due.append(c)
+                if not due:
+                    self._cond.wait(self._deadlines[0].deadline - now if self._deadlines
+                                    else None)
+                    continue
+            for c in due:
+                self._overdue(c)
+
+
+GUARD = Guard()
