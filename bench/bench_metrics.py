@@ -74,7 +74,7 @@ def profile_64(path: str) -> str:
     return path
 
 
-class _Agent:
+class Agent:
     def __init__(self, work: str, kdir: str, env: dict, client: SimKubeletClient, *args: str):
         self.state = os.path.join(work, "state")
         after = client.state().last_event_seq
@@ -115,7 +115,7 @@ def _scrape(port: int) -> float:
     return time.perf_counter() - start
 
 
-class _Node:
+class Node:
     def __init__(self, profile: str):
         self.work = tempfile.mkdtemp(prefix="gam", dir="/tmp")
         self.kdir, self.ctl, self.env = sim_node_env(self.work, profile)
@@ -123,8 +123,8 @@ class _Node:
         self.kubelet.start()
         self.client = SimKubeletClient(self.kdir)
 
-    def agent(self, *args: str) -> _Agent:
-        return _Agent(self.work, self.kdir, self.env, self.client, *args)
+    def agent(self, *args: str) -> Agent:
+        return Agent(self.work, self.kdir, self.env, self.client, *args)
 
     def close(self) -> None:
         self.client.close()
@@ -134,7 +134,7 @@ class _Node:
 
 def _scrape_times(profile: str) -> tuple[list[float], float]:
     """Scrape times and the agent's RSS after them."""
-    node = _Node(profile)
+    node = Node(profile)
     try:
         agent = node.agent("--metrics-address", "127.0.0.1:0")
         try:
@@ -149,7 +149,7 @@ def _scrape_times(profile: str) -> tuple[list[float], float]:
         node.close()
 
 
-def _idle_cpu(node: _Node, address: str) -> tuple[float, float]:
+def _idle_cpu(node: Node, address: str) -> tuple[float, float]:
     """CPU % of an agent nobody scrapes, over IDLE_S after it settled, and its RSS then."""
     agent = node.agent("--metrics-address", address)
     try:
@@ -168,7 +168,7 @@ def _idle_cpu(node: _Node, address: str) -> tuple[float, float]:
 # preferred, gzip), then a second's pause, until stopped. The bench stops it (SIGSTOP) outside
 # its own blocks and lets it go on (SIGCONT) during them, so every kind of block shares the
 # one agent, the same minutes and the same state of the machine.
-_SCRAPER = r"""
+SCRAPER = r"""
 import sys, time, urllib.request
 request = urllib.request.Request(sys.argv[1], headers={
     "Accept": "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;"
@@ -183,11 +183,11 @@ while True:
 """
 
 
-class _Scraper:
-    """A _SCRAPER process for `url`, stopped until `go()` and after `pause()`."""
+class Scraper:
+    """A SCRAPER process for `url`, stopped until `go()` and after `pause()`."""
 
     def __init__(self, url: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SCRAPER, url],
+        self.proc = subprocess.Popen([sys.executable, "-c", SCRAPER, url],
                                      stdout=subprocess.PIPE)
         if self.proc.stdout.readline() != b"ready\n" or \
                 self.proc.stdout.readline() != b"scraped\n":
@@ -211,13 +211,13 @@ class _Scraper:
         return scrapes
 
 
-def _allocate_under_scrapes(node: _Node) -> tuple[dict[str, list[float]], int]:
+def _allocate_under_scrapes(node: Node) -> tuple[dict[str, list[float]], int]:
     """Allocate latencies with no scrapes ("none"), with the agent scraped every second
     ("agent"; and how many scrapes that made), and with the same scraper fetching the agent's
     exposition from another process's HTTP server every second ("other"): the machine's
     floor, what one more process doing the HTTP round trip costs the caller and the agent."""
     agent = node.agent("--metrics-address", "127.0.0.1:0")
-    scrapers: dict[str, _Scraper] = {}
+    scrapers: dict[str, Scraper] = {}
     www = os.path.join(node.work, "www")
     os.makedirs(www)
     server = None
@@ -233,9 +233,9 @@ def _allocate_under_scrapes(node: _Node) -> tuple[dict[str, list[float]], int]:
         server = subprocess.Popen([sys.executable, "-m", "http.server", str(other_port),
                                    "--bind", "127.0.0.1", "--directory", www],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        scrapers["agent"] = _Scraper(f"http://127.0.0.1:{port}/metrics")
+        scrapers["agent"] = Scraper(f"http://127.0.0.1:{port}/metrics")
         _wait_listening(other_port)
-        scrapers["other"] = _Scraper(f"http://127.0.0.1:{other_port}/metrics")
+        scrapers["other"] = Scraper(f"http://127.0.0.1:{other_port}/metrics")
         ids = [d.id for d in node.client.state().resource(RESOURCE).devices][:2]
         request = dp.AllocateRequest(container_requests=[
             dp.ContainerAllocateRequest(devices_ids=ids)])
@@ -307,7 +307,7 @@ def run() -> Section:
             section.rows.append([f"scrape, {name}", _ms(med), _ms(p99),
                                  f"median ≤ {limit * 1e3:.0f} ms",
                                  "yes" if med <= limit else "**no**"])
-    node = _Node("dgx1-v100")
+    node = Node("dgx1-v100")
     try:
         off, off_rss = _idle_cpu(node, "")
         on, on_rss = _idle_cpu(node, "127.0.0.1:0")
