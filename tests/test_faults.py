@@ -11,7 +11,9 @@ agent (it ends registered once with the last kubelet); unknown files in the stat
 directory (left as they are); and a GPU whose NVML calls hang (`gpu-agent sim hang`), at run
 time and at start: it is withdrawn as "NVML not answering" while Allocate, ListAndWatch,
 reloads, scrapes and the systemd watchdog go on, and returns (or is discovered) once it
-answers. The full disk, the corrupt state files, kill -9 and NVML init
+answers; and a state directory made read-only (a read-only bind mount, as when the kernel
+remounts a failing disk read-only) while the agent runs and at its start: nothing answered is
+lost, and what could not be written is written once the directory is writable again. The full disk, the corrupt state files, kill -9 and NVML init
 failing then recovering have their tests beside the code they exercise (test_state_daemon,
 test_daemon_lifecycle). Nothing here asserts on timing.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -30,6 +33,7 @@ import pytest
 
 from agent.sim import control
 from agent.sim.profile import load_profile
+from agent.state.journal import JOURNAL_FILE, read_journal
 from tests.daemon_harness import GPU, Node, NotifySocket, unhealthy
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
@@ -276,4 +280,56 @@ def test_a_gpu_that_hangs_at_start_is_left_out_and_advertised_once_it_answers(no
     agent.wait_for(lambda s: s.resource(GPU).allocatable == 8, "GPU 5 discovered")
     assert agent.allocate([UUIDS[5]]).container_responses[0].envs[
         "NVIDIA_VISIBLE_DEVICES"] == UUIDS[5]
+    assert agent.stop() == 0 and "Traceback" not in agent.log
+
+
+# -- a read-only state directory ---------------------------------------------------------------
+
+
+class _ReadOnly:
+    """A read-only bind mount of `path` over itself while in the `with` block: new files and
+    renames there fail with EROFS, as after the kernel remounted a failing disk read-only;
+    files opened before keep their writes (they belong to the mount underneath)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        subprocess.run(["mount", "--bind", self.path, self.path], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["umount", self.path], check=True)
+
+
+def test_a_read_only_state_directory_loses_nothing_and_is_written_once_writable(node):
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root (CI runs as root)")
+    agent = node.agent()
+    agent.wait_registered()
+    allocating = _Allocating(agent, [UUIDS[0]])
+    with _ReadOnly(node.state):
+        control.inject_xid(node.ctl, 2, 79)  # reboot class: kept in health.json, if it can be
+        agent.wait_log(f"cannot write the health state {node.state}/health.json")
+        agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == {UUIDS[2]},
+                       "GPU 2 withdrawn")
+    agent.wait_log(f"health state {node.state}/health.json is written again")
+    answered = allocating.stop()
+    assert answered > 0 and allocating.errors == []  # the journal's open file kept its writes
+    assert agent.stop() == 0
+    held = len(read_journal(os.path.join(node.state, JOURNAL_FILE)).records)
+    assert held >= 1
+
+    with _ReadOnly(node.state):  # at start: the journal cannot be rewritten
+        agent = node.agent()
+        res = agent.wait_registered(registrations=2)
+        assert {d.id for d in res.devices if not d.healthy} == {UUIDS[2]}  # health.json kept it
+        with pytest.raises(grpc.RpcError) as info:
+            agent.allocate([UUIDS[1]])
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Read-only file system" in info.value.details()
+    agent.allocate([UUIDS[1]])  # by itself once writable
+    records = read_journal(os.path.join(node.state, JOURNAL_FILE)).records
+    assert len(records) == held + 1 and records[-1].devices == (UUIDS[1],)
     assert agent.stop() == 0 and "Traceback" not in agent.log
