@@ -217,6 +217,7 @@ SCHEMA: dict = {
         "health": {
             "disableHealthchecks": OPTION,
             "enableHealthchecks": OPTION,
+            "xidPolicy": OPTION,
             "xidActions": OPTION,
             "recoveryQuietPeriod": OPTION,
             "unhealthyDevicesFile": OPTION,

@@ -49,11 +49,13 @@ from agent.constants import (
     DEFAULT_RECOVERY_QUIET_PERIOD_S,
     DEFAULT_REPLICA_ALLOCATION_POLICY,
     DEFAULT_STATE_DIR,
+    DEFAULT_XID_POLICY,
     DEVICE_ID_STRATEGIES,
     DEVICE_LIST_STRATEGIES,
     MIG_STRATEGIES,
     NVML_SONAME,
     REPLICA_ALLOCATION_POLICIES,
+    XID_POLICIES,
 )
 
 
@@ -209,11 +211,18 @@ OPTIONS: tuple[Option, ...] = (
         default_text="none",
     ),
     Option(
+        "xid_policy", "--xid-policy", "GPU_AGENT_XID_POLICY", "agent.health.xidPolicy",
+        ChoiceKind(*XID_POLICIES), DEFAULT_XID_POLICY,
+        "the default XID table: nvidia (NVIDIA's device plugin: six application XIDs, every "
+        "other XID withdraws the GPU) or catalog (NVIDIA's XID catalog's immediate action for "
+        "each XID); xidActions and DP_*_HEALTHCHECKS apply on top",
+    ),
+    Option(
         "xid_actions", "--xid-actions", "GPU_AGENT_XID_ACTIONS", "agent.health.xidActions",
         XidActionsKind(), (),
-        "XID action classes over the catalog defaults: ignore, application, reset, reboot "
+        "XID action classes over the xidPolicy table: ignore, application, reset, reboot "
         "(text 48=reset,79=reboot; in the file a mapping)",
-        default_text="the catalog table",
+        default_text="the xidPolicy table",
     ),
     Option(
         "recovery_quiet_period", "--recovery-quiet-period", "GPU_AGENT_RECOVERY_QUIET_PERIOD",

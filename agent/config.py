@@ -93,7 +93,8 @@ class Config(NamedTuple):
     replica_allocation_policy: str  # distributed | packed
     disable_healthchecks: str  # DP_DISABLE_HEALTHCHECKS as written (agent.health.policy)
     enable_healthchecks: str  # DP_ENABLE_HEALTHCHECKS as written
-    xid_actions: tuple[tuple[int, str], ...]  # (xid, action) overrides of the catalog
+    xid_policy: str  # nvidia | catalog: the default XID table (agent.health.policy)
+    xid_actions: tuple[tuple[int, str], ...]  # (xid, action) overrides of that table
     recovery_quiet_period: float  # seconds
     unhealthy_devices_file: str  # "": no isolation file
     cdi_spec_dirs: tuple[str, ...]  # CDI spec directories, lowest precedence first

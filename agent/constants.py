@@ -49,6 +49,13 @@ XID_APPLICATION = "application"  # an application's error: the GPU is fine (REST
 XID_RESET = "reset"              # the GPU needs a reset (RESET_GPU)
 XID_REBOOT = "reboot"            # the node needs a reboot (RESTART_BM)
 XID_ACTIONS = (XID_IGNORE, XID_APPLICATION, XID_RESET, XID_REBOOT)
+# The default table of XID classes (agent.health.policy): NVIDIA's device plugin's choice of
+# what withdraws a GPU (six application XIDs, every other withdraws), or the XID catalog's
+# immediate action for each XID.
+XID_POLICY_NVIDIA = "nvidia"
+XID_POLICY_CATALOG = "catalog"
+XID_POLICIES = (XID_POLICY_NVIDIA, XID_POLICY_CATALOG)
+DEFAULT_XID_POLICY = XID_POLICY_NVIDIA
 
 # -- host paths and intervals -------------------------------------------------------------------
 

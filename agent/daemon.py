@@ -41,7 +41,7 @@ LOOP_TICK_S = 1.0
 FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
 # The settings the health monitor is built from: a reload that changes none of them (and not
 # the devices) keeps the running monitor.
-HEALTH_SETTINGS = ("disable_healthchecks", "enable_healthchecks", "xid_actions",
+HEALTH_SETTINGS = ("disable_healthchecks", "enable_healthchecks", "xid_policy", "xid_actions",
                    "recovery_quiet_period", "unhealthy_devices_file", "state_dir")
 
 

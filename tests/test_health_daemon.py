@@ -112,6 +112,20 @@ def test_disable_healthchecks_from_the_environment(node, fast_impl):
     assert unhealthy(snap) == {UUIDS[2]}
 
 
+def test_the_catalog_xid_table_follows_the_catalog_where_it_differs_from_nvidia(node):
+    """agent.health.xidPolicy catalog: XID 94 (contained ECC error) is RESTART_APP in NVIDIA's
+    XID catalog and 109 (context switch timeout) RESET_GPU, the reverse of NVIDIA's plugin
+    defaults (its issue #1974). The XIDs go in 94 first: one snapshot can only hold 109's."""
+    agent, seq = start(node, "--xid-policy", "catalog")
+    control.inject_xid(node.ctl, 1, 94)
+    control.inject_xid(node.ctl, 2, 109)
+    snap = next_snapshot(node, agent, seq)
+    assert unhealthy(snap) == {UUIDS[2]}, "XID 94 withdrew nothing"
+    agent.wait_log(f"GPU 2 {UUIDS[2]}: unhealthy [xid=109 action=reset]: XID 109 (context "
+                   f"switch timeout, catalog: RESET_GPU): GPU reset required")
+    assert "catalog XID table" in node.status_with("catalog XID table")
+
+
 def test_reset_class_error_recovers_after_the_quiet_period(node, fast_impl):
     agent, seq = start(node, "--recovery-quiet-period", "0.5s")
     control.inject_xid(node.ctl, 6, 48)

@@ -98,6 +98,51 @@ def test_classes_follow_the_catalog_and_config_overrides():
     assert p.event_action(0x8, 48) == (RESET, "XID 48 (double-bit ECC error): GPU reset required")
 
 
+# NVIDIA's XID catalog, "Resolution Bucket (Immediate Action)"
+# (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html; rows 1-13 read on the
+# page, the rest in copies of it: gpud's components/accelerator/nvidia/xid/catalog_generated.go
+# generated from it on 2025-10-29).
+CATALOG_CASES = [(13, "RESTART_APP", APPLICATION), (31, "RESTART_APP", APPLICATION),
+                 (43, "IGNORE", IGNORE), (45, "WORKFLOW_XID_45", APPLICATION),
+                 (48, "WORKFLOW_XID_48", RESET), (63, "IGNORE", IGNORE),
+                 (74, "WORKFLOW_NVLINK_ERR", RESET), (79, "RESTART_BM", REBOOT),
+                 (92, "IGNORE", IGNORE), (94, "RESTART_APP", APPLICATION),
+                 (95, "RESET_GPU", RESET), (109, "RESET_GPU", RESET), (119, "RESET_GPU", RESET),
+                 (145, "WORKFLOW_NVLINK5_ERR", RESET), (151, "RESTART_VM", REBOOT),
+                 (160, "IGNORE", IGNORE), (1, "CONTACT_SUPPORT", RESET),
+                 (142, "CONTACT_SUPPORT", RESET), (154, "XID_154", RESET)]
+
+
+@pytest.mark.parametrize("xid, bucket, action", CATALOG_CASES, ids=[str(c[0]) for c in CATALOG_CASES])
+def test_the_catalog_table_gives_each_xid_the_class_of_its_immediate_action(xid, bucket, action):
+    p = XidPolicy.build(table="catalog")
+    assert p.action(xid) == action
+    assert f"catalog: {bucket}" in p.describe(xid)
+
+
+def test_the_catalog_table_covers_every_xid_it_lists_and_withdraws_the_rest():
+    p = XidPolicy.build(table="catalog")
+    assert sorted(policy.CATALOG_XID_ACTIONS) == list(range(1, 162))
+    assert p.action(999) == RESET and p.action(162) == RESET and p.describe(162) == ""
+    assert XidPolicy.build().table == "nvidia"  # NVIDIA's stays the default
+
+
+def test_overrides_and_nvidia_switches_apply_on_top_of_the_catalog_table():
+    p = XidPolicy.build("109", "94", overrides=[(79, "reset")], table="catalog")
+    assert p.action(109) == IGNORE  # DP_DISABLE_HEALTHCHECKS
+    assert p.action(94) == RESET  # DP_ENABLE_HEALTHCHECKS: an application XID withdraws
+    assert p.action(79) == RESET  # xidActions
+    assert 63 in p.filtered_xids() and 109 in p.filtered_xids() and 94 not in p.filtered_xids()
+    # XID 154 under the catalog: reset class, unless the driver asks for a reboot
+    c = XidPolicy.build(table="catalog")
+    assert [c.event_action(0x8, 154, a)[0] for a in (None, 1, 2)] == [RESET, RESET, REBOOT]
+
+
+def test_an_unknown_table_is_refused():
+    with pytest.raises(ValueError, match="unknown XID table 'dcgm'"):
+        XidPolicy.build(table="dcgm")
+
+
 def test_event_actions_name_the_xid_and_what_to_do():
     p = XidPolicy.build()
     assert p.event_action(0x8, 79) == (REBOOT, "XID 79 (GPU has fallen off the bus): node "
@@ -159,7 +204,9 @@ def test_health_options_from_env_flag_and_file(tmp_path):
     cfg = load_config({"config_file": str(path), "xid_actions": "13=reboot",
                        "disable_healthchecks": "all"}, {})
     assert cfg.xid_actions == ((13, "reboot"),) and cfg.disable_healthchecks == "all"
+    assert load_config({}, {"GPU_AGENT_XID_POLICY": "catalog"}).xid_policy == "catalog"
     defaults = load_config({}, {})
+    assert defaults.xid_policy == "nvidia"
     assert defaults.unhealthy_devices_file == "/etc/nvidia-device-plugin/unhealthyDevices.json"
     assert defaults.recovery_quiet_period == 60.0 and defaults.xid_actions == ()
 
@@ -175,6 +222,7 @@ def test_health_options_from_env_flag_and_file(tmp_path):
      "'iso.json' is not an absolute path"),
     ("disableHealthchecks: [true]", "agent.health.disableHealthchecks[0]",
      "expected an XID, got boolean true"),
+    ("xidPolicy: dcgm", "agent.health.xidPolicy", "'dcgm' is not one of nvidia, catalog"),
 ])
 def test_bad_health_values_name_the_key_and_file(tmp_path, doc, key, problem):
     path = tmp_path / "c.yaml"

@@ -790,7 +790,8 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         on_change: Callable[[], None] | None = None,
                         current: Mapping[str, tuple[bool, str]] | None = None) -> HealthMonitor:
     """A monitor set up from the agent's Config (agent.health options)."""
-    policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions)
+    policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions,
+                             table=cfg.xid_policy)
     return HealthMonitor(library_path=library_path, gpus=gpus, devices=devices, policy=policy,
                          sink=sink, state_dir=cfg.state_dir,
                          quiet_period_s=cfg.recovery_quiet_period,
