@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -30,40 +29,13 @@ from agent.sim import control
 from agent.sim.profile import load_profile
 from bench import Section, allocate_timed, percentile
 from bench.bench_metrics import Agent, Node, Scraper
+from tests.daemon_harness import NotifySocket
 
 PHASE_S = float(os.environ.get("GPU_AGENT_HUNG_PHASE_S", "30"))
 HUNG_GPU = 3
 WATCHDOG_USEC = 2_000_000
 BLOCK = 200  # Allocates between clock checks
 RESOURCE = "nvidia.com/gpu"
-
-
-class _Watchdog:
-    """A NOTIFY_SOCKET: the time of each WATCHDOG=1 ping."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(path)
-        self.sock.settimeout(0.2)
-        self.pings: list[float] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._receive, daemon=True)
-        self._thread.start()
-
-    def _receive(self) -> None:
-        while not self._stop:
-            try:
-                data = self.sock.recv(65536)
-            except socket.timeout:
-                continue
-            if b"WATCHDOG=1" in data.split(b"\n"):
-                self.pings.append(time.monotonic())
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join(2)
-        self.sock.close()
 
 
 class _Timeline(threading.Thread):
@@ -115,8 +87,8 @@ def run() -> Section:
         header=["measure", "value", "target", "met"],
     )
     node = Node("dgx1-v100")
-    watchdog = _Watchdog(os.path.join(node.work, "notify.sock"))
-    env = dict(node.env, NOTIFY_SOCKET=watchdog.path, WATCHDOG_USEC=str(WATCHDOG_USEC))
+    watchdog = NotifySocket(None, abstract=True)  # the tests' stand-in for systemd
+    env = dict(node.env, NOTIFY_SOCKET=watchdog.address, WATCHDOG_USEC=str(WATCHDOG_USEC))
     agent = Agent(node.work, node.kdir, env, node.client, "--metrics-address", "127.0.0.1:0")
     scraper = None
     try:
@@ -141,8 +113,8 @@ def run() -> Section:
             finished = time.monotonic()
             timeline.stop()
             withdrawn, back = timeline.first(False, hung_at), timeline.first(True, ended)
-        gaps = [b - a for a, b in zip(watchdog.pings, watchdog.pings[1:])
-                if a >= started and b <= finished]
+        pings = [t for m, t in zip(watchdog.messages, watchdog.times) if m.get("WATCHDOG") == "1"]
+        gaps = [b - a for a, b in zip(pings, pings[1:]) if a >= started and b <= finished]
     finally:
         if scraper is not None:
             scraper.close()

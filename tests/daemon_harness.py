@@ -241,9 +241,10 @@ class Agent:
 class NotifySocket:
     """A datagram socket standing in for systemd's NOTIFY_SOCKET; collects the messages.
 
-    `abstract=True` binds in the abstract namespace and gives the `@name` form."""
+    `abstract=True` binds in the abstract namespace and gives the `@name` form (no node
+    needed: bench/bench_hung.py uses it too)."""
 
-    def __init__(self, node: Node, abstract: bool = False):
+    def __init__(self, node: Node | None, abstract: bool = False):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if abstract:
             name = f"ga-notify-{os.getpid()}-{id(self)}"
