@@ -13,9 +13,10 @@ time and at start: it is withdrawn as "NVML not answering" while Allocate, ListA
 reloads, scrapes and the systemd watchdog go on, and returns (or is discovered) once it
 answers; and a state directory made read-only (a read-only bind mount, as when the kernel
 remounts a failing disk read-only) while the agent runs and at its start: nothing answered is
-lost, and what could not be written is written once the directory is writable again. The full disk, the corrupt state files, kill -9 and NVML init
-failing then recovering have their tests beside the code they exercise (test_state_daemon,
-test_daemon_lifecycle). Nothing here asserts on timing.
+lost, and what could not be written is written once the directory is writable again. The
+full disk, the corrupt state files, kill -9 and NVML init failing then recovering have their
+tests beside the code they exercise (test_state_daemon, test_daemon_lifecycle). Nothing here
+asserts on timing.
 """
 
 from __future__ import annotations

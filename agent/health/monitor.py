@@ -17,10 +17,10 @@ A second thread returns devices when their fault's recovery rule holds (agent.he
 probing through agent.nvml.probe. NVML calls on a sick GPU may hang, so every NVML call here
 but the event wait runs under agent.nvml.guard's budget (a GPU that does not answer in time is
 withdrawn as "NVML not answering", `not_answering`, and returns once a probe answers), and no
-probe runs under the monitor's lock: what to probe (with each GPU's fault generation, bumped by every fault or event
-on it) is read under the lock, the probes run without it, and their results are applied under
-it again only where the generation is unchanged and the monitor is not stopping; status(), the
-isolation file and event handling never wait for a probe.
+probe runs under the monitor's lock: what to probe (with each GPU's fault generation, bumped by
+every fault or event on it) is read under the lock, the probes run without it, and their
+results are applied under it again only where the generation is unchanged and the monitor is
+not stopping; status(), the isolation file and event handling never wait for a probe.
 Isolation comes from agent.health.isolation's thread. A device is Unhealthy while it has a
 fault or is isolated; every change of that goes to `sink` as one batch (one ListAndWatch
 snapshot), is logged once per GPU with UUID, index, XID, action and reason, and is kept in a
@@ -295,8 +295,9 @@ class HealthMonitor:
                 self._not_supported(gpu, str(exc))
                 return False
             kind, what = (("lost", f"GPU is lost ({exc})") if exc.is_gpu_lost else
-                          ("hung", _not_answering(exc.function)) if isinstance(exc, NvmlNotAnswering)
-                          else ("register", f"cannot register for NVML events ({exc})"))
+                          ("hung", _not_answering(exc.function))
+                          if isinstance(exc, NvmlNotAnswering) else
+                          ("register", f"cannot register for NVML events ({exc})"))
             self._fault_gpu(gpu, kind, RESET, what, None, time.monotonic())
             self._unregistered.add(gpu.uuid)
             return False

@@ -10,9 +10,9 @@ at once without starting a thread, and when its last late call returns it answer
 notices a call that nobody waits for (a scrape that gave up on it) reaching its budget; it
 sleeps while no call is in flight, so an idle agent stays idle. A thread that must keep doing
 something while it waits (the daemon's main loop pings the systemd watchdog) registers it as
-`while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. Also `Workers`, the daemon
-threads the calls run on (not a ThreadPoolExecutor: its threads are joined at interpreter exit,
-so a hung call would hold up the agent's stop).
+`while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. Also `Workers`, the
+daemon threads the calls run on (not a ThreadPoolExecutor: its threads are joined at
+interpreter exit, so a hung call would hold up the agent's stop).
 
 Must not know what a call does or decide what a hang means for the GPU's devices (the health
 monitor does), nor hold its lock while calling back or calling NVML.
