@@ -1,9 +1,10 @@
 """`python -m bench [NAME ...]`: run the benchmarks and write docs/benchmarks.md.
 
 Owns: the list of benchmark modules and the report layout. Sections come from each module's
-`run()`; with names given, only those run and the report holds only them. The soak
-(bench/soak.py, `make soak`) runs alone and replaces only its own section, which the other
-runs keep.
+`run()`; with names given, only those run and the report holds only them, unless `--replace`:
+then their sections replace the same sections of the report and the rest stays. The soak
+(bench/soak.py, `make soak`) runs alone and always replaces only its own section, which the
+other runs keep.
 """
 
 from __future__ import annotations
@@ -45,12 +46,10 @@ def render(sections: list[Section]) -> str:
     return "\n".join(lines)
 
 
-def _kept(report: Path, title: str) -> str:
-    """The section titled `title` of the report at `report` as it stands ("" if none): the
-    soak's, which `make bench` does not run (it takes 10 minutes) but keeps."""
-    if not report.exists():
-        return ""
-    text, head = report.read_text(), f"## {title}\n"
+def _kept(text: str, title: str) -> str:
+    """The section titled `title` of the report `text` ("" if none): the soak's, which
+    `make bench` does not run (it takes 10 minutes) but keeps, or one a --replace run remakes."""
+    head = f"## {title}\n"
     start = text.find(head)
     if start < 0:
         return ""
@@ -64,23 +63,35 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"benchmarks to run (default: all of {MODULES}; `soak` runs alone "
                              f"and updates only its section)")
     parser.add_argument("--output", type=Path, default=REPORT, help="report path")
+    parser.add_argument("--replace", action="store_true",
+                        help="replace only the named benchmarks' sections of the report, "
+                             "keeping the rest (the soak always does)")
     args = parser.parse_args(argv)
     names = args.names or MODULES
     if "soak" in names and names != ["soak"]:
         parser.error("run the soak alone: python -m bench soak (make soak)")
+    if args.replace and not args.names:
+        parser.error("--replace needs the names of the benchmarks to run again")
     from bench import soak
 
-    old_soak = _kept(args.output, soak.TITLE)
+    old = args.output.read_text() if args.output.exists() else ""
     sections = []
     for name in names:
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", file=sys.stderr, flush=True)
         sections.append(module.run())
-    if names == ["soak"]:  # its section replaces its old one; the rest of the report stays
-        text = args.output.read_text() if args.output.exists() else render([])
-        new = "## " + render(sections).split("\n## ", 1)[1]
-        text = text.replace(old_soak, new) if old_soak else text.rstrip("\n") + "\n\n" + new
+    if names == ["soak"] or args.replace:  # these sections replace theirs; the rest stays
+        text = old or render([])
+        for section in sections:
+            if names != ["soak"]:
+                section.notes.append(f"This section was run again alone on "
+                                     f"{time.strftime('%Y-%m-%d %H:%M %Z')} (`python -m bench "
+                                     f"--replace`); the date at the top is the full run's.")
+            new = "## " + render([section]).split("\n## ", 1)[1]
+            before = _kept(old, section.title)
+            text = text.replace(before, new) if before else text.rstrip("\n") + "\n\n" + new
     else:  # the soak's section, which this run did not make, is kept as it was
+        old_soak = _kept(old, soak.TITLE)
         text = render(sections) + ("\n" + old_soak if old_soak else "")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)

@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from agent.errors import CheckpointError
 from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
@@ -233,6 +234,73 @@ def _kill9() -> list[str]:
             f"Allocate {_ms(loaded)} after registering"]
 
 
+def _attributed(node: Node) -> int:
+    """Records attributed to a pod in the node's journal (0 while it is unreadable: the bad
+    one before it is set aside)."""
+    try:
+        journal = read_journal(os.path.join(node.state, JOURNAL_FILE))
+    except CheckpointError:
+        return 0
+    return sum(r.pod is not None for r in journal.records) if journal else 0
+
+
+def _wait(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def _corrupt_journal() -> list[str]:
+    with Node() as node:
+        agent = node.agent()
+        agent.wait_registered()
+        for n in range(4):
+            node.client.admit_pod(f"pod-{n}", {"main": {GPU: 2}})
+        _wait(lambda: _attributed(node) == 4, "4 attributed records")
+        agent.stop()
+        path = os.path.join(node.state, JOURNAL_FILE)
+        with open(path, "rb") as f:
+            bad = b"\x83 a checkpoint of some other program" + f.read()
+        with open(path, "wb") as f:
+            f.write(bad)
+        t0 = time.monotonic()
+        agent = node.agent()
+        agent.wait_registered(2)
+        registered = time.monotonic() - t0
+        _wait(lambda: _attributed(node) == 4, "the allocations adopted from podresources")
+        adopted = time.monotonic() - t0
+        aside = [n for n in os.listdir(node.state) if n.startswith(JOURNAL_FILE + ".bad-")]
+        with open(os.path.join(node.state, aside[0]), "rb") as f:
+            kept = f.read() == bad
+        agent.stop()
+    return ["A corrupt journal at start (4 pods running)",
+            f"registered {_ms(registered)} after the start; 4 of 4 running pods' allocations "
+            f"adopted from podresources {_ms(adopted)} after it; the bad file kept aside "
+            f"{'byte for byte' if kept else 'CHANGED'}"]
+
+
+def _unknown_files() -> list[str]:
+    strangers = {"notes.txt": b"an operator's note\n", "allocations.journal.bak": b"x\n",
+                 "health.json.old": b"{}"}
+    with Node() as node:
+        os.makedirs(node.state, exist_ok=True)
+        for name, data in strangers.items():
+            with open(os.path.join(node.state, name), "wb") as f:
+                f.write(data)
+        agent = node.agent()
+        agent.wait_registered()
+        agent.allocate([UUIDS[0]])
+        agent.stop()
+        kept = 0
+        for name, data in strangers.items():
+            with open(os.path.join(node.state, name), "rb") as f:
+                kept += f.read() == data
+    return ["Unknown files in the state directory",
+            f"{kept} of {len(strangers)} left byte for byte after a start, an Allocate and a stop"]
+
+
 def _init_recovers() -> list[str]:
     with Node() as node:
         profile = node.profile_copy(faults="  init: DRIVER_NOT_LOADED\n")
@@ -316,7 +384,7 @@ def _read_only() -> list[str]:
 
 
 SCENARIOS = [_xid_reset, _lost, _storm, _sighups, _flapping, _podresources_silent, _kill9,
-             _init_recovers, _full_disk, _read_only]
+             _corrupt_journal, _unknown_files, _init_recovers, _full_disk, _read_only]
 
 
 def run() -> Section:
