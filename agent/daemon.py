@@ -6,11 +6,9 @@ changes (applied behind the running servers: agent.rm.resources keeps each resou
 the registrar adds and removes only the servers of resources that come or go), the clean stop,
 and the systemd conversation (READY once every resource registered, STATUS, WATCHDOG, ...).
 Threads: the main thread runs the loop (signals, the watchdog, NVML retries, the status); the
-registrar, gRPC, health and state run their own and call back through `_wake`. NVML calls on
-a GPU run under agent.nvml.guard's budget (agent.nvmlCallTimeout): a GPU that does not answer
-is handed to the health monitor (withdrawn), and one left out of discovery for it is looked
-for again once it answers. Must not talk gRPC, build devices or responses, format the status
-(agent.status), nor call NVML but through agent.nvml.session.
+registrar, gRPC, health and state run their own and call back through `_wake`; a wait for
+NVML here pings the watchdog (agent.nvml.guard). Must not talk gRPC, build devices or
+responses, format the status (agent.status), nor call NVML but through agent.nvml.session.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ class Daemon:
         self.started = time.time()
         self.phase = "starting"
         self.stop_requested = False
-        self.nvml = NvmlSession()
+        self.nvml = NvmlSession(on_change=self._wake)
         self.state: Any = None  # the allocation journal and its reconciler (AllocationState)
         self.resources = Resources()
         self.health: HealthMonitor | None = None
@@ -70,7 +68,6 @@ class Daemon:
         self._registrations = 0  # seen in the registrar's status
         self._watchdog_at: float | None = None
         self._waiter: Waiter | None = None
-        self._rediscover = False  # a GPU left out of discovery (not answering) answers now
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -81,8 +78,6 @@ class Daemon:
             check_supported(self.cfg)
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
-            GUARD.budget_s = self.cfg.nvml_call_timeout
-            GUARD.on_hung, GUARD.on_answered = self._not_answering, self._answering
             GUARD.while_waiting = (threading.get_ident(), self._watchdog)  # this thread's
             try:  # health.json and the journal live there
                 os.makedirs(self.cfg.state_dir, mode=0o755, exist_ok=True)
@@ -163,18 +158,6 @@ class Daemon:
         if old is not None:
             old.stop(wait=False)
 
-    def _not_answering(self, gpu: Any, what: str) -> None:
-        """From agent.nvml.guard (any thread): GPU `gpu` did not answer call `what`."""
-        health = self.health
-        if health is not None:  # else the monitor finds it in GUARD when it starts
-            health.not_answering(gpu, what)
-
-    def _answering(self, gpu: Any, what: str) -> None:
-        """From agent.nvml.guard: GPU `gpu` answers again; discover it if it was left out."""
-        if gpu not in {g.index for g in self.resources.gpus}:
-            self._rediscover = True
-            self._waiter.wake()
-
     # -- the loop ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -198,24 +181,20 @@ class Daemon:
             if self.nvml.retry_at is not None and now >= self.nvml.retry_at:
                 self.nvml.retry_at = None
                 self._bring_up()
-            elif self.nvml.up and self._rediscover:
-                self._rediscover = False
-                self._remig()
-            elif self.nvml.up and self.resources.mig_watch.changed(self.resources.gpus, now):
+            elif self.nvml.up and (self.nvml.rediscover_due or
+                                   self.resources.mig_watch.changed(self.resources.gpus, now)):
                 self._remig()
             self._publish()
 
     def _watchdog(self) -> None:
-        """Ping systemd's watchdog when due: from the loop, and from inside an NVML call the
-        loop waits for (agent.nvml.guard's while_waiting), which is bounded by its budget."""
+        """Ping systemd's watchdog when due (from the loop, and while it waits for NVML)."""
         now = time.monotonic()
         if self._watchdog_at is not None and now >= self._watchdog_at:
             self.notifier.watchdog()
             self._watchdog_at = now + self.notifier.watchdog_interval
 
     def _remig(self) -> None:
-        """A MIG layout changed under the running agent (or a GPU left out of discovery
-        answers again): advertise what is there now as a SIGHUP would."""
+        """The MIG layout changed, or a GPU discovery left out answers: advertise it."""
         try:
             self._advertise(self.nvml.rediscover(self.resources.gpus), restart_health=False)
         except MigLayoutError as exc:
@@ -255,7 +234,6 @@ class Daemon:
 
     def _apply_config(self, new: Config) -> None:
         old, self.cfg = self.cfg, new
-        GUARD.budget_s = new.nvml_call_timeout
         self.reloads += 1
         self.last_error = ""
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,

@@ -16,11 +16,12 @@ filter, and a thread that waits on it (GIL released) and:
 A second thread returns devices when their fault's recovery rule holds (agent.health.recovery),
 probing through agent.nvml.probe. NVML calls on a sick GPU may hang, so every NVML call here
 but the event wait runs under agent.nvml.guard's budget (a GPU that does not answer in time is
-withdrawn as "NVML not answering", `not_answering`, and returns once a probe answers), and no
-probe runs under the monitor's lock: what to probe (with each GPU's fault generation, bumped by
-every fault or event on it) is read under the lock, the probes run without it, and their
-results are applied under it again only where the generation is unchanged and the monitor is
-not stopping; status(), the isolation file and event handling never wait for a probe.
+withdrawn as "NVML not answering": the running monitor is the guard's `on_hung` listener,
+`not_answering`; it returns once a probe answers), and no probe runs under the monitor's lock:
+what to probe (with each GPU's fault generation, bumped by every fault or event on it) is read
+under the lock, the probes run without it, and their results are applied under it again only
+where the generation is unchanged and the monitor is not stopping; status(), the isolation file
+and event handling never wait for a probe.
 Isolation comes from agent.health.isolation's thread. A device is Unhealthy while it has a
 fault or is isolated; every change of that goes to `sink` as one batch (one ListAndWatch
 snapshot), is logged once per GPU with UUID, index, XID, action and reason, and is kept in a
@@ -162,6 +163,7 @@ class HealthMonitor:
             self._boot = boot_id()
         except AgentError as exc:
             log.warning("%s: reboot-class faults cannot be cleared by a reboot this run", exc)
+        GUARD.on_hung = self.not_answering  # the monitor that runs is the one told
         with self._lock:
             self._load_faults()
             for gpu, (what, _) in GUARD.not_answering().items():

@@ -4,11 +4,12 @@ Owns: `Guard` and the process's one instance `GUARD` (NVML is one library per pr
 NVML call the agent makes on a GPU outside the event wait runs on a worker thread; the caller
 waits at most the budget (`agent.nvmlCallTimeout`) and then gets NvmlNotAnswering while the
 call goes on without it. A GPU with a call past its budget is *not answering*: `on_hung` is
-told once (the daemon withdraws the GPU through the health monitor), further calls on it fail
-at once without starting a thread, and when its last late call returns it answers again
-(`on_answered`; the health monitor's recovery probe then finds it back). A watcher thread
-notices a call that nobody waits for (a scrape that gave up on it) reaching its budget; it
-sleeps while no call is in flight, so an idle agent stays idle. A thread that must keep doing
+told once (the running health monitor withdraws the GPU), further calls on it fail at once
+without starting a thread, and when its last late call returns it answers again
+(`on_answered`, agent.nvml.session: one discovery left out is looked for again; the health
+monitor's recovery probe finds the others back). A watcher thread notices a call that nobody
+waits for (a scrape that gave up on it) reaching its budget; it sleeps while no call is in
+flight, so an idle agent stays idle. A thread that must keep doing
 something while it waits (the daemon's main loop pings the systemd watchdog) registers it as
 `while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. Also `Workers`, the
 daemon threads the calls run on (not a ThreadPoolExecutor: its threads are joined at

@@ -2,17 +2,21 @@
 
 Owns: the attempt (library path from the driver root or an explicit path, nvmlInit, discovery
 with each GPU logged once), what a failure says to the operator (what to check, which flag or
-env var sets the path), and the retry schedule used while failOnInitError is false (1 s,
-doubling, at most 30 s). Must not decide what happens on failure: the daemon exits or waits.
+env var sets the path), the retry schedule used while failOnInitError is false (1 s,
+doubling, at most 30 s), the NVML call budget (agent.nvml.guard, agent.nvmlCallTimeout), and
+`rediscover_due`: a GPU discovery left out because it did not answer answers now. Must not
+decide what happens on failure: the daemon exits or waits.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from agent.errors import InitError, NvmlError, NvmlLibraryError
 from agent.nvml import discovery, library
+from agent.nvml.guard import GUARD
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +28,12 @@ class NvmlSession:
     """NVML for this process: `open(cfg)` returns the GPUs or raises InitError with the whole
     message; `up`, `path`, `error`, `attempts` and `retry_at` are what status shows."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
         self.up = False
+        self.rediscover_due = False
+        self._indexes: frozenset[int] = frozenset()  # the GPUs discovery found
+        self._on_change = on_change
+        GUARD.on_answered = self._answering
         self.path = ""
         self.error = ""
         self.attempts = 0
@@ -34,6 +42,7 @@ class NvmlSession:
 
     def open(self, cfg) -> list[discovery.Gpu]:
         self.attempts += 1
+        GUARD.budget_s = cfg.nvml_call_timeout
         try:
             self.path = library.resolve_library_path(cfg.driver_root, cfg.nvml_library_explicit)
             library.init(self.path)
@@ -50,6 +59,7 @@ class NvmlSession:
             library.shutdown()
             raise InitError(f"GPU discovery through NVML ({self.path}) failed: {exc}") from exc
         self.up, self.error, self.retry_at = True, "", None
+        self._indexes = frozenset(g.index for g in gpus)
         log.info("NVML initialised from %s%s; %d GPUs", self.path,
                  "" if self.attempts == 1 else f" after {self.attempts} attempts", len(gpus))
         log_gpus(gpus)
@@ -69,6 +79,7 @@ class NvmlSession:
     def reconfigured(self, old, new) -> None:
         """A reload changed the config: a process holds one NVML library, so say when the
         library path or the driver root changed and what stays in force until a restart."""
+        GUARD.budget_s = new.nvml_call_timeout
         for name in ("nvml_library", "driver_root"):
             if getattr(old, name) != getattr(new, name) and self.up:
                 log.warning("%s changed from %s to %s: NVML stays loaded from %s until the "
@@ -78,6 +89,7 @@ class NvmlSession:
     def rediscover(self, known: list[discovery.Gpu]) -> list[discovery.Gpu]:
         """The GPUs now (a reload), or `known` when discovery fails; a GPU that does not
         answer keeps its record in `known`."""
+        self.rediscover_due = False
         try:
             gpus = discovery.discover(known=known)
         except NvmlError as exc:
@@ -86,7 +98,15 @@ class NvmlSession:
             return known
         if [g.uuid for g in gpus] != [g.uuid for g in known]:
             log_gpus(gpus)
+        self._indexes = frozenset(g.index for g in gpus)
         return gpus
+
+    def _answering(self, gpu: object, what: str) -> None:
+        """agent.nvml.guard's listener: GPU `gpu` answers again; if discovery left it out,
+        it is due to be discovered (the daemon's loop does it)."""
+        if self.up and gpu not in self._indexes:
+            self.rediscover_due = True
+            self._on_change()
 
     def close(self) -> None:
         if self.up:
