@@ -177,7 +177,7 @@ class HealthMonitor:
                      self.isolation_file or "none")
             if not self.policy.enabled:
                 return
-            self._open_set()
+        self._open_set()  # registers every GPU: NVML, so not under the lock
         self._thread = threading.Thread(target=self._run, name="health-events", daemon=True)
         self._thread.start()
         self._recovery = threading.Thread(target=self._run_recovery, name="health-recovery",
@@ -249,20 +249,25 @@ class HealthMonitor:
     # -- the event set -----------------------------------------------------------------------
 
     def _open_set(self) -> None:
+        """Open an event set and register every GPU on it (NVML: called without the lock, so
+        status() and the other threads never wait on a GPU that does not answer), then make it
+        the monitor's set under the lock. Only the event thread (or start()) calls this."""
         try:
             es = self.events.EventSet(self.library_path)
             es.set_ignored_xids(self.policy.filtered_xids())
         except (NvmlError, NvmlLibraryError) as exc:
             message = f"cannot open an NVML event set on {self.library_path}: {exc}"
-            if message != self._es_error:
-                log.error("%s; retrying every %g s (no XID health checks until then)",
-                          message, REOPEN_RETRY_S)
-            self._es_error = message
+            with self._lock:
+                if message != self._es_error:
+                    log.error("%s; retrying every %g s (no XID health checks until then)",
+                              message, REOPEN_RETRY_S)
+                self._es_error = message
             return
-        self._es, self._es_error = es, ""
-        registered = 0
-        for gpu in self.gpus.values():
-            registered += self._register(gpu)
+        attempts = [(gpu, self._try_register(es, gpu)) for gpu in self.gpus.values()]
+        with self._lock:
+            self._es, self._es_error = es, ""
+            registered = sum(self._registered(gpu, *attempt) for gpu, attempt in attempts)
+            self._apply("")  # the GPUs that could not be registered
         log.info("NVML event set open: %d of %d GPUs registered for XID and ECC events",
                  registered, len(self.gpus))
 
@@ -277,13 +282,9 @@ class HealthMonitor:
         except NvmlError as exc:
             log.warning("closing the NVML event set: %s", exc)
 
-    def _register(self, gpu: Any) -> bool:
-        """Register `gpu` on the set; True when it is watched (or has nothing to watch)."""
-        return self._registered(gpu, *self._try_register(self._es, gpu))
-
     @staticmethod
     def _try_register(es: Any, gpu: Any) -> tuple[int, NvmlError | None]:
-        """The NVML part of _register, which needs no lock: (mask, None) or (0, the error)."""
+        """Register `gpu` on `es` (NVML, without the lock): (mask, None) or (0, the error)."""
         try:
             return GUARD.call(gpu.index, "NVML event registration", es.register, gpu.index,
                               EVENT_TYPES), None
@@ -291,7 +292,8 @@ class HealthMonitor:
             return 0, exc
 
     def _registered(self, gpu: Any, mask: int, exc: NvmlError | None) -> bool:
-        """Apply the outcome of registering `gpu` (under the lock); as _register."""
+        """Apply the outcome of registering `gpu` (under the lock); True when it is watched
+        (or has nothing to watch)."""
         if exc is not None:
             if exc.is_not_supported:
                 self._not_supported(gpu, str(exc))
@@ -338,8 +340,7 @@ class HealthMonitor:
         es = self._es
         if es is None:
             if not self._stop.wait(REOPEN_RETRY_S):
-                with self._lock:
-                    self._open_set()
+                self._open_set()
             return
         try:
             event = es.wait(WAIT_MS)
@@ -429,7 +430,7 @@ class HealthMonitor:
             self._close_set()
             self.reestablished += 1
             log.info("re-establishing the NVML event set after: %s", exc)
-            self._open_set()
+        self._open_set()
 
     def _lost(self) -> list[str]:
         """The GPUs NVML says are lost, each asked under the guard's budget (one that does not
