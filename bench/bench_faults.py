@@ -52,12 +52,26 @@ class _Allocating:
                 self.refused += 1
                 self.reasons.add(exc.code().name)
 
+    def next_answer(self) -> float:
+        """Seconds from now until the next Allocate answered."""
+        t0, answered = time.monotonic(), self.answered
+        while self.answered == answered:
+            time.sleep(0.001)
+        return time.monotonic() - t0
+
     def stop(self) -> str:
         self._stop.set()
         self._thread.join()
         refused = f"{self.refused} refused" + (f" ({', '.join(sorted(self.reasons))})"
                                                if self.reasons else "")
         return f"{self.answered} Allocates answered, {refused}"
+
+
+def _running(node: Node, *args: str):
+    """`gpu-agent run ARGS` on `node`, registered, with Allocates on GPU 0 going on."""
+    agent = node.agent(*args)
+    agent.wait_registered()
+    return agent, _Allocating(agent)
 
 
 def _when(node: Node, after_ns: int, allocatable: int) -> float:
@@ -75,9 +89,7 @@ def _ms(seconds: float) -> str:
 
 def _xid_reset() -> list[str]:
     with Node() as node:
-        agent = node.agent("--recovery-quiet-period", "1s")
-        agent.wait_registered()
-        allocating = _Allocating(agent)
+        agent, allocating = _running(node, "--recovery-quiet-period", "1s")
         t0 = time.monotonic_ns()
         control.inject_xid(node.ctl, 3, 48)
         agent.wait_for(lambda s: s.resource(GPU).allocatable == 7, "GPU 3 withdrawn")
@@ -91,9 +103,7 @@ def _xid_reset() -> list[str]:
 
 def _lost() -> list[str]:
     with Node() as node:
-        agent = node.agent("--recovery-quiet-period", "0.5s")
-        agent.wait_registered()
-        allocating = _Allocating(agent)
+        agent, allocating = _running(node, "--recovery-quiet-period", "0.5s")
         t0 = time.monotonic_ns()
         control.lose(node.ctl, 2)
         agent.wait_for(lambda s: s.resource(GPU).allocatable == 7, "GPU 2 withdrawn")
@@ -110,9 +120,7 @@ def _lost() -> list[str]:
 
 def _storm() -> list[str]:
     with Node() as node:
-        agent = node.agent("--recovery-quiet-period", "600s")
-        agent.wait_registered()
-        allocating = _Allocating(agent)
+        agent, allocating = _running(node, "--recovery-quiet-period", "600s")
         t0 = time.monotonic_ns()
         for i in range(300):
             gpu = 1 + i % 7
@@ -326,9 +334,7 @@ def _full_disk() -> list[str]:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", node.state],
                        check=True)
         try:
-            agent = node.agent()
-            agent.wait_registered()
-            allocating = _Allocating(agent)
+            agent, allocating = _running(node)
             filler = os.open(os.path.join(node.state, "filler"), os.O_WRONLY | os.O_CREAT,
                              0o600)
             try:
@@ -339,11 +345,7 @@ def _full_disk() -> list[str]:
             while allocating.refused == 0:
                 time.sleep(0.01)
             os.unlink(os.path.join(node.state, "filler"))
-            t0 = time.monotonic()
-            answered = allocating.answered
-            while allocating.answered == answered:
-                time.sleep(0.001)
-            back = time.monotonic() - t0
+            back = allocating.next_answer()
             out = allocating.stop()
             agent.stop()
         finally:
@@ -362,18 +364,12 @@ def _read_only() -> list[str]:
         subprocess.run(["mount", "-o", "remount,bind,ro", node.state], check=True)
         mounted = True
         try:
-            agent = node.agent()
-            agent.wait_registered()
-            allocating = _Allocating(agent)
+            agent, allocating = _running(node)
             while allocating.refused < 100:
                 time.sleep(0.01)
             subprocess.run(["umount", node.state], check=True)
             mounted = False
-            t0 = time.monotonic()
-            answered = allocating.answered
-            while allocating.answered == answered:
-                time.sleep(0.001)
-            back = time.monotonic() - t0
+            back = allocating.next_answer()
             out = allocating.stop()
             agent.stop()
         finally:
