@@ -77,8 +77,9 @@ class NvmlSession:
         return delay
 
     def reconfigured(self, old, new) -> None:
-        """A reload changed the config: a process holds one NVML library, so say when the
-        library path or the driver root changed and what stays in force until a restart."""
+        """A reload changed the config: the NVML call budget applies at once; a process holds
+        one NVML library, so say when the library path or the driver root changed and what
+        stays in force until a restart."""
         GUARD.budget_s = new.nvml_call_timeout
         for name in ("nvml_library", "driver_root"):
             if getattr(old, name) != getattr(new, name) and self.up:
