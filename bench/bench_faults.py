@@ -27,7 +27,7 @@ from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
 from bench import Section
-from tests.daemon_harness import GPU, Node
+from tests.daemon_harness import GPU, Node, ReadOnlyMount
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 FLAP_RUNS = 3
@@ -360,21 +360,13 @@ def _read_only() -> list[str]:
         return [what, "not measured (a read-only bind mount needs root)"]
     with Node() as node:
         os.makedirs(node.state, exist_ok=True)
-        subprocess.run(["mount", "--bind", node.state, node.state], check=True)
-        subprocess.run(["mount", "-o", "remount,bind,ro", node.state], check=True)
-        mounted = True
-        try:
+        with ReadOnlyMount(node.state):
             agent, allocating = _running(node)
             while allocating.refused < 100:
                 time.sleep(0.01)
-            subprocess.run(["umount", node.state], check=True)
-            mounted = False
-            back = allocating.next_answer()
-            out = allocating.stop()
-            agent.stop()
-        finally:
-            if mounted:
-                subprocess.run(["umount", node.state], check=False)
+        back = allocating.next_answer()  # from the unmount on
+        out = allocating.stop()
+        agent.stop()
     return [what, f"Allocates refused (UNAVAILABLE: Read-only file system) while read-only; "
                   f"answered again {_ms(back)} after it was writable; {out}"]
 

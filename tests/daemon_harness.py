@@ -5,7 +5,8 @@ simulated kubelet's device-plugin directory, the simulated NVML's control direct
 agent's state directory; it runs a SimKubelet in this process over real unix sockets (start it
 later with `start_kubelet=False`). `Agent` is `gpu-agent run` against them, its output in a log
 file, killed by PID if a test leaves it running. `NotifySocket` stands in for systemd's
-NOTIFY_SOCKET. Every wait is bounded and shows the agent's log when it runs out; nothing here
+NOTIFY_SOCKET; `ReadOnlyMount` makes a directory read-only for a while (root only; bench/
+bench_faults.py uses it and NotifySocket too). Every wait is bounded and shows the agent's log when it runs out; nothing here
 asserts on timing.
 """
 
@@ -295,6 +296,23 @@ class NotifySocket:
         self._stop = True
         self._thread.join(2)
         self.sock.close()
+
+
+class ReadOnlyMount:
+    """A read-only bind mount of `path` over itself while in the `with` block: new files and
+    renames there fail with EROFS, as after the kernel remounted a failing disk read-only;
+    files opened before keep their writes (they belong to the mount underneath)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        subprocess.run(["mount", "--bind", self.path, self.path], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["umount", self.path], check=True)
 
 
 def first_snapshot(node: Node, resource: str = GPU) -> object:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -35,7 +34,7 @@ import pytest
 from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
-from tests.daemon_harness import GPU, Node, NotifySocket, unhealthy
+from tests.daemon_harness import GPU, Node, NotifySocket, ReadOnlyMount, unhealthy
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -287,30 +286,13 @@ def test_a_gpu_that_hangs_at_start_is_left_out_and_advertised_once_it_answers(no
 # -- a read-only state directory ---------------------------------------------------------------
 
 
-class _ReadOnly:
-    """A read-only bind mount of `path` over itself while in the `with` block: new files and
-    renames there fail with EROFS, as after the kernel remounted a failing disk read-only;
-    files opened before keep their writes (they belong to the mount underneath)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self):
-        subprocess.run(["mount", "--bind", self.path, self.path], check=True)
-        subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
-        return self
-
-    def __exit__(self, *exc):
-        subprocess.run(["umount", self.path], check=True)
-
-
 def test_a_read_only_state_directory_loses_nothing_and_is_written_once_writable(node):
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root (CI runs as root)")
     agent = node.agent()
     agent.wait_registered()
     allocating = _Allocating(agent, [UUIDS[0]])
-    with _ReadOnly(node.state):
+    with ReadOnlyMount(node.state):
         control.inject_xid(node.ctl, 2, 79)  # reboot class: kept in health.json, if it can be
         agent.wait_log(f"cannot write the health state {node.state}/health.json")
         agent.wait_for(lambda s: unhealthy(s.resource(GPU).latest_snapshot) == {UUIDS[2]},
@@ -322,7 +304,7 @@ def test_a_read_only_state_directory_loses_nothing_and_is_written_once_writable(
     held = len(read_journal(os.path.join(node.state, JOURNAL_FILE)).records)
     assert held >= 1
 
-    with _ReadOnly(node.state):  # at start: the journal cannot be rewritten
+    with ReadOnlyMount(node.state):  # at start: the journal cannot be rewritten
         agent = node.agent()
         res = agent.wait_registered(registrations=2)
         assert {d.id for d in res.devices if not d.healthy} == {UUIDS[2]}  # health.json kept it
