@@ -380,7 +380,8 @@ class XidListKind(Kind):
 
 class XidActionsKind(Kind):
     """XID -> action class overrides: `48=reset,79=reboot` as text, a mapping {48: reset} in
-    the file; held as a sorted tuple of (xid, action) pairs (empty: the xidPolicy table as it is)."""
+    the file; held as a sorted tuple of (xid, action) pairs (empty: the xidPolicy table as
+    it is)."""
 
     metavar = "XID=ACTION,..."
     text_form = "comma-separated XID=ACTION"

@@ -2,10 +2,10 @@
 
 `gpu-agent run` on the simulated node (dgx1-v100, recovery quiet period 5 s, reconcile every
 5 s, a config file) and the simulated kubelet, which admits pods as its device manager does
-(GetPreferredAllocation then Allocate, over the real sockets) and deletes them, keeping at most LIVE_PODS alive, at
-RATE pods a second; an XID 48 (reset class) every XID_EVERY_S on the next GPU in turn; a
-kubelet restart every RESTART_EVERY_S; a SIGHUP every SIGHUP_EVERY_S, alternating the device
-list strategy. At the end: the agent's RSS, open file descriptors and threads against their
+(GetPreferredAllocation then Allocate, over the real sockets) and deletes them, keeping at
+most LIVE_PODS alive, at RATE pods a second; an XID 48 (reset class) every XID_EVERY_S on the
+next GPU in turn; a kubelet restart every RESTART_EVERY_S; a SIGHUP every SIGHUP_EVERY_S,
+alternating the device list strategy. At the end: the agent's RSS, open file descriptors and threads against their
 values after the warm-up, the live pods' allocations in the journal (attributed to them), and
 every GPU back. A pod kubelet refuses (no device free while a GPU is withdrawn and the live
 pods hold the others, or kubelet restarting) is counted, not an error.

@@ -5,9 +5,9 @@ simulated kubelet's device-plugin directory, the simulated NVML's control direct
 agent's state directory; it runs a SimKubelet in this process over real unix sockets (start it
 later with `start_kubelet=False`). `Agent` is `gpu-agent run` against them, its output in a log
 file, killed by PID if a test leaves it running. `NotifySocket` stands in for systemd's
-NOTIFY_SOCKET; `ReadOnlyMount` makes a directory read-only for a while (root only; bench/
-bench_faults.py uses it and NotifySocket too). Every wait is bounded and shows the agent's log when it runs out; nothing here
-asserts on timing.
+NOTIFY_SOCKET; `ReadOnlyMount` makes a directory read-only for a while (root only;
+bench/bench_faults.py uses it and NotifySocket too). Every wait is bounded and shows the
+agent's log when it runs out; nothing here asserts on timing.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ def test_stop_returns_within_one_wait(monitor, events):
 class HeldProbe:
     """The recovery probe handed to the monitor: agent.nvml.probe.recovery_probe (the monitor's
     own) on the simulated NVML, except that each probe of GPU `uuid` is held (at most WAIT s)
-    until the test lets it go, as a probe of a sick GPU hangs in NVML. Leaving the `with` block lets every probe go."""
+    until the test lets it go, as a probe of a sick GPU hangs in NVML. Leaving the `with`
+    block lets every probe go."""
 
     def __init__(self, uuid: str):
         self.uuid = uuid
