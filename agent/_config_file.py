@@ -52,7 +52,16 @@ class Resources(NamedTuple):
     mig: tuple[ResourcePattern, ...] = ()
 
 
-Devices = Union[str, int, tuple[str, ...]]  # "all", a count, or GPU/MIG indexes and UUIDs
+class DeviceReplicas(NamedTuple):
+    """An entry of `devices` with its own replica count (gpu-agent's per-GPU counts):
+    `{device: 2, replicas: 8}`. NVIDIA's files never hold one, so they read the same."""
+
+    device: str  # a GPU index, a MIG index (GPU:MIG) or a GPU / MIG UUID
+    replicas: int
+
+
+# "all", a count, or GPU/MIG indexes and UUIDs, each optionally with its own replica count
+Devices = Union[str, int, tuple[Union[str, DeviceReplicas], ...]]
 
 
 class ReplicatedResource(NamedTuple):
@@ -141,7 +150,9 @@ def _dump_replicated(shared: ReplicatedResources) -> dict:
         item: dict[str, Any] = {"name": r.name}
         if r.rename is not None:
             item["rename"] = r.rename
-        item["devices"] = list(r.devices) if isinstance(r.devices, tuple) else r.devices
+        item["devices"] = [
+            {"device": d.device, "replicas": d.replicas} if isinstance(d, DeviceReplicas) else d
+            for d in r.devices] if isinstance(r.devices, tuple) else r.devices
         item["replicas"] = r.replicas
         items.append(item)
     return {
@@ -585,18 +596,42 @@ def _devices(value: Any) -> Devices:
     if isinstance(value, list):
         if not value:
             raise InvalidValue("empty list: use 'all', a count, or a list of devices")
-        refs: list[str] = []
+        refs: list[str | DeviceReplicas] = []
+        seen: list[str] = []
         for i, item in enumerate(value):
             try:
-                ref = device_ref(item)
+                ref = _device_entry(item)
             except InvalidValue as exc:
-                raise InvalidValue(exc.problem, f"[{i}]") from None
-            if ref in refs:
-                raise InvalidValue(f"{ref!r} is listed twice", f"[{i}]")
+                raise InvalidValue(exc.problem, f"[{i}]{exc.subkey}") from None
+            name = ref.device if isinstance(ref, DeviceReplicas) else ref
+            if name in seen:
+                raise InvalidValue(f"{name!r} is listed twice", f"[{i}]")
+            seen.append(name)
             refs.append(ref)
         return tuple(refs)
     raise InvalidValue(f"expected 'all', a count, or a list of GPU indexes, MIG indexes "
                        f"(GPU:MIG) or UUIDs, got {describe(value)}")
+
+
+def _device_entry(value: Any) -> str | DeviceReplicas:
+    """A `devices` entry: a device as NVIDIA takes it, or {device: <that>, replicas: N}."""
+    if not isinstance(value, dict):
+        return device_ref(value)
+    for name in value:
+        if name not in ("device", "replicas"):
+            raise InvalidValue(f"unknown key {name!r}: an entry with its own count is "
+                               f"{{device: <index or UUID>, replicas: <n>}}", f".{name}")
+    for name in ("device", "replicas"):
+        if value.get(name) is None:
+            raise InvalidValue("missing (required)", f".{name}")
+    try:
+        device = device_ref(value["device"])
+    except InvalidValue as exc:
+        raise InvalidValue(exc.problem, ".device") from None
+    try:
+        return DeviceReplicas(device, _replicas(value["replicas"]))
+    except InvalidValue as exc:
+        raise InvalidValue(exc.problem, ".replicas") from None
 
 
 def _channel_ids(value: Any) -> tuple[int, ...]:

@@ -199,11 +199,17 @@ def format_status(doc: dict) -> str:
     for r in doc.get("resources", []):
         lines.append(f"{r['name']}: {'registered' if r['registered'] else 'not registered'} "
                      f"({r['registrations']} registrations) on {r['socket'] or '-'}")
+        runs: list[list] = []  # replicas and MIG devices of one GPU read alike: one line each
         for dev in r["devices"]:
             numa = "-" if dev["numaNode"] is None else dev["numaNode"]
-            lines.append(f"  GPU {dev['index']} {dev['uuid']} NUMA {numa}: "
-                         f"{'healthy' if dev['healthy'] else 'unhealthy'}"
-                         + (f" ({dev['reason']})" if dev.get("reason") else ""))
+            line = (f"  GPU {dev['index']} {dev['uuid']} NUMA {numa}: "
+                    f"{'healthy' if dev['healthy'] else 'unhealthy'}"
+                    + (f" ({dev['reason']})" if dev.get("reason") else ""))
+            if runs and runs[-1][0] == line:
+                runs[-1][1] += 1
+            else:
+                runs.append([line, 1])
+        lines.extend(line if n == 1 else f"{line} [{n} devices]" for line, n in runs)
     if doc.get("cdi"):
         c = doc["cdi"]
         lines.append(f"CDI ({', '.join(c['strategies'])}): "

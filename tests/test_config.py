@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from agent._config_file import (
     SCHEMA,
+    DeviceReplicas,
     Imex,
     ReplicatedResource,
     ReplicatedResources,
@@ -585,6 +586,17 @@ _R0 = "sharing.timeSlicing.resources[0]"
      "string 'GPU-xyz' is not a GPU index, a MIG index (GPU:MIG) or a GPU-/MIG- UUID"),
     (_ts(devices=[0, "0"]), f"{_R0}.devices[1]", "'0' is listed twice"),
     (_ts(devices=[-1]), f"{_R0}.devices[0]", "-1 is not a GPU index (must be >= 0)"),
+    # gpu-agent's per-GPU counts: {device: <ref>, replicas: <n>}
+    (_ts(devices=[{"device": 0, "replicas": 1}]), f"{_R0}.devices[0].replicas",
+     "1 replicas: must be at least 2 (1 would not share the device)"),
+    (_ts(devices=[{"device": "x", "replicas": 2}]), f"{_R0}.devices[0].device",
+     "string 'x' is not a GPU index, a MIG index (GPU:MIG) or a GPU-/MIG- UUID"),
+    (_ts(devices=[0, {"replicas": 4}]), f"{_R0}.devices[1].device", "missing (required)"),
+    (_ts(devices=[{"device": 0, "count": 4}]), f"{_R0}.devices[0].count",
+     "unknown key 'count': an entry with its own count is {device: <index or UUID>, "
+     "replicas: <n>}"),
+    (_ts(devices=["1", {"device": 1, "replicas": 4}]), f"{_R0}.devices[1]",
+     "'1' is listed twice"),
     (v1(sharing={"timeSlicing": {"renameByDefault": True}}), "sharing.timeSlicing.resources",
      "missing (required): list the resources to share, e.g. [{name: nvidia.com/gpu, "
      "replicas: 4}]"),
@@ -636,6 +648,16 @@ def test_sharing_values_and_defaults(tmp_path):
         rename_by_default=False,
         fail_requests_greater_than_one=False,
     )
+
+
+def test_a_devices_entry_may_carry_its_own_replica_count_and_reads_back(tmp_path):
+    cfg = from_file(tmp_path, v1(sharing={"timeSlicing": {"resources": [
+        {"name": "gpu", "replicas": 2, "devices": [0, {"device": 3, "replicas": 8},
+                                                   {"device": "1:2", "replicas": 3}]}]}}))
+    entry = cfg.sharing.time_slicing.resources[0]
+    assert entry.devices == ("0", DeviceReplicas("3", 8), DeviceReplicas("1:2", 3))
+    again = from_file(tmp_path, cfg.to_document())
+    assert again.sharing == cfg.sharing
 
 
 def test_mps_fails_requests_for_more_than_one_unless_told_otherwise(tmp_path):

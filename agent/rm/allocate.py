@@ -95,10 +95,24 @@ def resolve_request(resource: str, ids: Sequence[str], known: Mapping[str, Devic
     return [known[i] for i in ids]
 
 
+def check_shared_request(resource: str, devices: Sequence[Device]) -> None:
+    """failRequestsGreaterThanOne: a container asking for more than one device, replicas
+    among them, is refused with NVIDIA's words (internal/rm/rm.go ValidateRequest, wrapped
+    by internal/plugin/server.go Allocate)."""
+    if len(devices) > 1 and any(d.replica_of for d in devices):
+        raise RequestError(f'invalid allocation request for "{resource}": invalid request: '
+                           f'maximum request size for shared resources is 1; '
+                           f'found {len(devices)}')
+
+
 def _response_ids(devices: Sequence[Device], id_strategy: str) -> list[str]:
+    """The IDs a container is given, each GPU or MIG device once however many of its
+    replicas it holds (server.go uniqueDeviceIDsFromAnnotatedDeviceIDs, v0.18 on)."""
     if id_strategy == "index":
-        return [d.index for d in devices]
-    return [d.id for d in devices]
+        ids = [d.index for d in devices]
+    else:
+        ids = [d.replica_of or d.id for d in devices]
+    return list(dict.fromkeys(ids))
 
 
 def _device_specs(devices: Sequence[Device], dev_root: str) -> list[DeviceSpec]:
@@ -107,9 +121,9 @@ def _device_specs(devices: Sequence[Device], dev_root: str) -> list[DeviceSpec]:
         host = os.path.join(dev_root, path.lstrip("/"))
         if os.path.exists(host):
             specs.append(DeviceSpec(path, host))
-    for device in devices:
-        for path in device.paths:
-            specs.append(DeviceSpec(path, os.path.join(dev_root, path.lstrip("/"))))
+    paths = dict.fromkeys(path for device in devices for path in device.paths)
+    for path in paths:  # replicas of one GPU share its nodes: each passed once
+        specs.append(DeviceSpec(path, os.path.join(dev_root, path.lstrip("/"))))
     return specs
 
 

@@ -3,7 +3,7 @@
 Owns: `Device` (one advertised device), the device map of a MIG strategy (which GPUs and MIG
 devices are advertised, under which resource names, and which layouts a strategy refuses), and
 naming resources (`resources.gpus` / `resources.mig` patterns, as NVIDIA's plugin reads them).
-Later: shared replicas map onto the same record. Must not call NVML (it gets
+Shared replicas are these records under another ID (agent.rm.sharing). Must not call NVML (it gets
 `agent.nvml.discovery.Gpu` and `agent.nvml.mig.MigDevice` records) nor import grpc.
 
 The MIG rules are NVIDIA's, from k8s-device-plugin internal/rm/device_map.go
@@ -41,6 +41,9 @@ class Device(NamedTuple):
     # MIG instance placement (GPU / compute instance ids) for health events; None: a full GPU.
     gi: int | None = None
     ci: int | None = None
+    # A time-slicing replica (agent.rm.sharing): the ID of the GPU or MIG device it shares,
+    # which is what a container is given; "" for a device advertised whole.
+    replica_of: str = ""
 
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:

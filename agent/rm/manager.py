@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 from agent.rm.allocate import (
     ContainerResponse,
     ResponseOptions,
+    check_shared_request,
     container_response,
     resolve_request,
 )
@@ -65,7 +66,7 @@ class ResourceManager:
                  journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
                  | None = None, topology: TopologyModel | None = None,
                  allocation_policy: str = "best-effort",
-                 replica_policy: str = "distributed"):
+                 replica_policy: str = "distributed", one_replica: bool = False):
         self.resource = resource
         self.options = options
         self.allocation_policy = allocation_policy
@@ -79,9 +80,9 @@ class ResourceManager:
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
-        # (options, devices by ID, answers by request): replaced whole by reconfigure, read
-        # once per Allocate
-        self._answering = (options, self.by_id, {})
+        # (options, devices by ID, answers by request, one replica per container:
+        # failRequestsGreaterThanOne): replaced whole by reconfigure, read once per Allocate
+        self._answering = (options, self.by_id, {}, one_replica)
         self._cond = threading.Condition()
         self._version = 1
         self._closed = False
@@ -153,7 +154,7 @@ class ResourceManager:
 
     def reconfigure(self, devices: Sequence[Device], options: ResponseOptions, *,
                     topology: TopologyModel | None = None, allocation_policy: str = "best-effort",
-                    replica_policy: str = "distributed") -> bool:
+                    replica_policy: str = "distributed", one_replica: bool = False) -> bool:
         """Apply a reload behind the running server: new response options and policies take
         effect for the next call; a changed device list (GPUs found or gone, another order) is
         a new version, so open ListAndWatch streams send it. Devices that stay keep their
@@ -164,10 +165,10 @@ class ResourceManager:
             self.options, self.topology = options, topology
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
             if devices == self.devices:
-                self._answering = (options, self.by_id, {})
+                self._answering = (options, self.by_id, {}, one_replica)
                 return False
             self.devices, self.by_id = devices, {d.id: d for d in devices}
-            self._answering = (options, self.by_id, {})
+            self._answering = (options, self.by_id, {}, one_replica)
             self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
             self._version += 1
             self._cond.notify_all()
@@ -186,13 +187,15 @@ class ResourceManager:
         """One ContainerResponse per container request, in order; RequestError (nothing
         allocated) if any request is empty, repeats an ID or names an unknown one. With a
         `journal`, the allocation is recorded durably before this returns (StateError if not)."""
-        options, by_id, answers = self._answering
+        options, by_id, answers, one_replica = self._answering
         out = []
         for ids in container_requests:
             key = tuple(ids)
             hit = answers.get(key)
             if hit is None:
                 devices = resolve_request(self.resource, ids, by_id)
+                if one_replica:
+                    check_shared_request(self.resource, devices)
                 hit = (devices, container_response(devices, options))
                 # not kept: a new CDI annotation key every time; the control nodes passed with
                 # passDeviceSpecs are those that exist now (nvidia-uvm appears on first use)

@@ -1,7 +1,7 @@
 """The set of resources the agent advertises, built from the discovered GPUs and the config.
 
-Owns: which settings `gpu-agent run` implements (sharing and IMEX are refused with the key
-named), the Allocate response options a config gives, the link model of
+Owns: which settings `gpu-agent run` implements (MPS sharing and IMEX are refused with the
+key named; time-slicing is applied by agent.rm.sharing), the Allocate response options a config gives, the link model of
 the GPUs (read from NVML once per GPU set), and `Resources.apply`: one `ResourceManager` per
 resource name, kept across reloads. A resource that stays keeps its manager object (its
 server, streams and device health stay with it) and only takes the new settings; resources
@@ -24,6 +24,7 @@ from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
 from agent.rm.migwatch import MigWatch, gone_in_use
+from agent.rm.sharing import replicate
 from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
@@ -32,15 +33,24 @@ log = logging.getLogger(__name__)
 def check_supported(cfg: Config) -> None:
     """Refuse, with the key and where it was set, settings `run` does not implement yet
     (config.py accepts them, as NVIDIA's schema has them)."""
-    for key, refused, what in (("sharing.timeSlicing", cfg.sharing.time_slicing is not None,
-                                "time-slicing is"),
-                               ("sharing.mps", cfg.sharing.mps is not None, "MPS sharing is"),
+    for key, refused, what in (("sharing.mps", cfg.sharing.mps is not None, "MPS sharing is"),
                                ("imex.channelIDs", bool(cfg.imex.channel_ids),
                                 "IMEX channels are")):
         if refused:
             raise ConfigError(key, f"{what} not supported by gpu-agent run yet; remove "
                                    f"{'them' if key.startswith('imex') else 'it'}",
                               cfg.config_file or "")
+
+
+def _listing(devices: Sequence[Any]) -> str:
+    """The devices of a resource for the log: each GPU or MIG device once, with its count of
+    replicas when it is shared."""
+    counts: dict[str, list] = {}
+    for d in devices:
+        counts.setdefault(d.replica_of or d.id, [d, 0])[1] += 1
+    return ", ".join(
+        (f"GPU {d.gpu_index} {d.gpu_uuid}" if d.gi is None else f"MIG {d.index} {base}")
+        + (f" x{n}" if d.replica_of else "") for base, (d, n) in counts.items())
 
 
 def response_options(cfg: Config) -> ResponseOptions:
@@ -87,10 +97,12 @@ class Resources:
     @staticmethod
     def device_map(gpus: Sequence[discovery.Gpu], cfg: Config) -> dict[str, list]:
         """The devices of each resource `cfg` advertises on `gpus` (MIG devices read from
-        NVML when the strategy is not none); MigLayoutError for a layout it refuses."""
+        NVML when the strategy is not none), time-sliced replicas included; MigLayoutError
+        for a layout it refuses."""
         migs = mig.read_mig_devices(gpus) if cfg.mig_strategy != "none" else []
-        return devices_by_resource(gpus, cfg.resources.gpus, strategy=cfg.mig_strategy,
-                                   migs=migs, mig_patterns=cfg.resources.mig)
+        return replicate(devices_by_resource(gpus, cfg.resources.gpus, strategy=cfg.mig_strategy,
+                                             migs=migs, mig_patterns=cfg.resources.mig),
+                         cfg.sharing.time_slicing)
 
     def apply(self, gpus: Sequence[discovery.Gpu], cfg: Config) -> tuple[list[str], list[str]]:
         """Advertise `gpus` as `cfg` says; (added, removed) resource names. The managers dict
@@ -100,8 +112,10 @@ class Resources:
         before = self.devices
         self.gpus = list(gpus)
         options, topology = response_options(cfg), self._topology()
+        shared = cfg.sharing.time_slicing  # failRequestsGreaterThanOne: one replica a container
         policies = {"allocation_policy": cfg.allocation_policy,
-                    "replica_policy": cfg.replica_allocation_policy}
+                    "replica_policy": cfg.replica_allocation_policy,
+                    "one_replica": bool(shared and shared.fail_requests_greater_than_one)}
         managers = {}
         for name, devices in device_map.items():
             manager = self.managers.get(name)
@@ -116,9 +130,7 @@ class Resources:
         self.managers = managers
         for name in added:
             m = managers[name]
-            log.info("resource %s: %d devices (%s)", name, len(m.devices),
-                     ", ".join(f"GPU {d.gpu_index} {d.gpu_uuid}" if d.gi is None else
-                               f"MIG {d.index} {d.id}" for d in m.devices))
+            log.info("resource %s: %d devices (%s)", name, len(m.devices), _listing(m.devices))
         for name in removed:
             log.info("resource %s: no longer advertised", name)
         self.gone_in_use = gone_in_use(before, self.devices, self._records())
