@@ -84,7 +84,7 @@ def _doctor(work: Path, tree, config_args: list[str], lib: str) -> int:
     argv = [sys.executable, "-m", "agent", "doctor", "--root", tree.root, *config_args]
     shown = " ".join(["gpu-agent", *argv[3:]]).replace(lib, "$(gpu-agent sim lib-path)") \
         .replace(str(work), "$W")
-    say("11. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
+    say("12. gpu-agent doctor: the node checked end to end (docs/troubleshooting.md)",
         f"  {shown}\n  (--root: the simulated driver tree, device nodes recorded with their "
         f"major:minor, /dev/char links, containerd config, toolkit stubs; the rest is the "
         f"agent's own configuration)")
@@ -275,13 +275,15 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
 
         from agent.demo_metrics import run_metrics_step
         from agent.demo_mig import run_mig_step
+        from agent.demo_sharing import run_sharing_step
 
         metrics_code = run_metrics_step(str(work / "state"), str(features), str(ctl), "9",
                                         table, say)
         mig_code = run_mig_step(work, path, "10", table, say, _wait_state)
+        sharing_code = run_sharing_step(work, path, profile, "11", table, say, _wait_state)
         doctor_code = _doctor(work, tree, config_args, path)
 
-        say("12. Clean stop")
+        say("13. Clean stop")
         agent.send_signal(signal.SIGTERM)
         agent_code = agent.wait(10)
         gone = not (dp_dir / "gpu-agent-gpu.sock").exists()
@@ -295,7 +297,7 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
         print(f"  simulated kubelet stopped (exit {code}); NVML shut down")
         library.shutdown()
         ok = code == 0 and agent_code == 0 and gone and doctor_code == 0 and mig_code == 0 \
-            and metrics_code == 0
+            and metrics_code == 0 and sharing_code == 0
         return 0 if ok else 1
     finally:
         if agent is not None:

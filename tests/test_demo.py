@@ -20,7 +20,7 @@ def test_demo_walks_through_and_exits_zero(profile):
              "4. The agent registers with kubelet", "5. Devices as kubelet sees them",
              "6. A 4-GPU pod", "7. Health signal path", "8. Kubelet restart",
              "9. Prometheus metrics and node feature labels", "10. MIG: node",
-             "11. gpu-agent doctor", "12. Clean stop")
+             "11. Sharing: time-slicing", "12. gpu-agent doctor", "13. Clean stop")
     positions = [out.find(f"== {step}") for step in steps]
     assert -1 not in positions and positions == sorted(positions), out
     assert "nvidia.com/gpu  gpu-agent-gpu.sock  1              yes" in out  # registered
@@ -42,6 +42,13 @@ def test_demo_walks_through_and_exits_zero(profile):
     assert re.search(r"nvidia.com/mig-1g.10gb +9 +16\n", out), out
     assert re.search(r"nvidia.com/mig-3g.40gb +4 +2\n", out), out
     assert "nvidia.com/gpu kept its registration (1) and its 3 devices throughout" in out
+    # the sharing step: NVIDIA's documented config, 4 replicas of 8 GPUs, one replica a pod
+    assert "kubelet sees nvidia.com/gpu.shared: 32 devices, IDs like GPU-" in out
+    assert "distributed (the default replica policy): 3 pods on 3 GPUs" in out
+    assert "a pod asking for 2 (failRequestsGreaterThanOne): invalid allocation request for " \
+        '"nvidia.com/gpu.shared": invalid request: maximum request size for shared ' \
+        "resources is 1; found 2" in out, out
+    assert re.search(r"XID 48 on GPU \d: its 4 replicas withdrawn, allocatable 28/32", out), out
     assert "gpu-agent: SIGTERM → exit 0; its socket removed: yes" in out
     assert "simulated kubelet stopped (exit 0)" in out
     if profile == "dgx1-v100":

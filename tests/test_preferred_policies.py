@@ -94,6 +94,22 @@ def test_distributed_replicas_spread_over_the_best_linked_gpus(model):
     assert sorted(Counter(GPU_OF[i] for i in many).values()) == [1] * 4 + [2] * 4
 
 
+def test_distributed_replicas_go_to_the_least_used_gpus_first(model):
+    """NVIDIA's greedyAlloc (internal/rm/allocate.go, v0.20.0): the GPU with the fewest
+    replicas allocated (total - available) first; the links only decide among GPUs used
+    alike."""
+    # island 1 (NV18, the better links) has 2 of 4 replicas taken on every GPU
+    ids = [d.id for d in SHARED if not (d.gpu_index >= 4 and d.id[-1] in "01")]
+    assert {GPU_OF[i] for i in shared_pick(model, ids, 3, "distributed")} <= {0, 1, 2, 3}
+    # one-replica pods one after another: each lands on a GPU nobody uses yet
+    free, gpus = [d.id for d in SHARED], []
+    for _ in range(8):
+        got = shared_pick(model, free, 1, "distributed")[0]
+        free.remove(got)
+        gpus.append(GPU_OF[got])
+    assert sorted(gpus) == list(range(8))
+
+
 def test_packed_replicas_fill_a_gpu_in_use_first(model):
     # GPU 2 has only one replica left (three taken), GPU 5 two: packed fills GPU 2 first
     ids = [d.id for d in SHARED if not (d.gpu_index == 2 and d.id[-1] in "012")

@@ -93,7 +93,16 @@ def preferred_allocation(resource: str, available: Sequence[str], must_include: 
         # best-linked next one)
         return _one_parent(avail, must, size, pos_of, rank) or \
             _replicas(model, avail, must, size, pos_of, rank, PACKED)
-    return _replicas(model, avail, must, size, pos_of, rank, replica_policy)
+    return _replicas(model, avail, must, size, pos_of, rank, replica_policy,
+                     _in_use(model, known, per_gpu))
+
+
+def _in_use(model: TopologyModel, known: Mapping[str, Device], per_gpu: Counter) -> Counter:
+    """Per GPU position: its devices of this resource that are not available (allocated, or
+    withdrawn), as NVIDIA's greedyAlloc counts them (total - available)."""
+    total = Counter(model.by_uuid[d.gpu_uuid].pos for d in known.values()
+                    if d.gpu_uuid in model.by_uuid)
+    return Counter({p: total[p] - per_gpu[p] for p in per_gpu})
 
 
 def _one_parent(avail: list[str], must: list[str], size: int, pos_of: dict[str, int],
@@ -130,9 +139,12 @@ def _whole_gpus(model: TopologyModel, avail: list[str], must: list[str], size: i
 
 
 def _replicas(model: TopologyModel, avail: list[str], must: list[str], size: int,
-              pos_of: dict[str, int], rank: dict[str, int], replica_policy: str) -> list[str]:
+              pos_of: dict[str, int], rank: dict[str, int], replica_policy: str,
+              in_use: Counter | None = None) -> list[str]:
     """Several devices on some GPU: choose GPUs by the replica policy, then devices on them
-    (on each GPU, in the order the resource lists its devices)."""
+    (on each GPU, in the order the resource lists its devices). `in_use`: per GPU position,
+    its devices already taken (distributed goes to the least used GPUs first)."""
+    in_use = in_use or Counter()
     free: dict[int, list[str]] = {}
     for i in sorted(avail, key=lambda d: rank[d]):
         if i not in must:
@@ -155,13 +167,18 @@ def _replicas(model: TopologyModel, avail: list[str], must: list[str], size: int
             used[p] += len(take)
             need -= len(take)
         return chosen
-    # distributed: as many distinct GPUs as the request allows, the best-scoring set of them
+    # distributed: as many distinct GPUs as the request allows, the least used ones (NVIDIA's
+    # greedyAlloc), and among GPUs used alike the best-scoring set
     gpus = set(used) | {p for p, ids in free.items() if ids}
     target = min(len(gpus), len(used) + need)
-    spread = _positions(model.search.best_set(_mask(gpus), _mask(used), target, BEST_EFFORT))
+    others = sorted((in_use[p], p) for p in gpus - set(used))
+    level = others[target - len(used) - 1][0] if target > len(used) else -1
+    keep = set(used) | {p for n, p in others if n < level}
+    ties = keep | {p for n, p in others if n == level}
+    spread = _positions(model.search.best_set(_mask(ties), _mask(keep), target, BEST_EFFORT))
     while need:
         p = min((q for q in spread if free.get(q)),
-                key=lambda q: (used[q], -len(free[q]), q))
+                key=lambda q: (in_use[q] + used[q], used[q], -len(free[q]), q))
         chosen.append(free[p].pop(0))
         used[p] += 1
         need -= 1
