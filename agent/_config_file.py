@@ -198,6 +198,7 @@ SCHEMA: dict = {
             "nvidiaCTKPath": Compat(PathKind()),
             "containerDriverRoot": Compat(PathKind()),
             "cdiFeatureFlags": Compat(StringListKind()),
+            "sharedDevicesAllocationPolicy": OPTION,
         },
         "gfd": {
             "oneshot": Compat(BoolKind()),
@@ -224,7 +225,6 @@ SCHEMA: dict = {
         "migCheckInterval": OPTION,
         "nvmlCallTimeout": OPTION,
         "allocationPolicy": OPTION,
-        "replicaAllocationPolicy": OPTION,
         "health": {
             "disableHealthchecks": OPTION,
             "enableHealthchecks": OPTION,

@@ -190,11 +190,12 @@ OPTIONS: tuple[Option, ...] = (
         "tightest topology group that fits first, keeping whole NVLink islands free (packed)",
     ),
     Option(
-        "replica_allocation_policy", "--replica-allocation-policy",
-        "GPU_AGENT_REPLICA_ALLOCATION_POLICY", "agent.replicaAllocationPolicy",
+        "replica_allocation_policy", "--shared-devices-allocation-policy",
+        "SHARED_DEVICES_ALLOCATION_POLICY", "flags.plugin.sharedDevicesAllocationPolicy",
         ChoiceKind(*REPLICA_ALLOCATION_POLICIES), DEFAULT_REPLICA_ALLOCATION_POLICY,
-        "how shared replicas are picked: spread over as many GPUs as possible (distributed), "
-        "or fill GPUs already in use first (packed)",
+        "how shared replicas are picked: spread over the least used GPUs (distributed), or "
+        "fill GPUs already in use first (packed); NVIDIA's v0.20 names",
+        aliases=("--replica-allocation-policy",),
     ),
     Option(
         "disable_healthchecks", "--disable-healthchecks", "DP_DISABLE_HEALTHCHECKS",

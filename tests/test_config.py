@@ -1142,6 +1142,19 @@ def test_property_unknown_keys_are_refused_with_their_path(tmp_path, where, name
     assert info.value.problem.startswith("unknown key")
 
 
+def test_nvidias_v020_shared_devices_allocation_policy_is_read_from_its_key(tmp_path):
+    """NVIDIA v0.20.0 api/config/v1/flags.go PluginCommandLineFlags: the key is
+    flags.plugin.sharedDevicesAllocationPolicy; cmd/nvidia-device-plugin/main.go: the flag
+    --shared-devices-allocation-policy, env SHARED_DEVICES_ALLOCATION_POLICY, default
+    distributed, values distributed and packed."""
+    cfg = from_file(tmp_path, v1(flags={"plugin": {"sharedDevicesAllocationPolicy": "packed"}}))
+    assert cfg.replica_allocation_policy == "packed"
+    message, path = file_error(tmp_path, v1(flags={"plugin": {
+        "sharedDevicesAllocationPolicy": "spread"}}))
+    assert message.startswith("flags.plugin.sharedDevicesAllocationPolicy: 'spread' is not one "
+                              "of distributed, packed")
+
+
 def test_the_docs_name_every_option_with_its_flag_env_key_and_default():
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     table = [line.replace("`", "") for line in docs.splitlines() if line.startswith("| ")]

@@ -198,7 +198,9 @@ def test_preferred_allocation_spreads_replicas_or_packs_them_as_the_policy_says(
         assert len(gpus) == 2  # [PREF] distributed: two GPUs
         agent.stop()
 
-        agent = node.agent("--config", config, "--replica-allocation-policy", "packed")
+        # NVIDIA's v0.20 setting, by its env name (cmd/nvidia-device-plugin/main.go)
+        agent = node.agent("--config", config,
+                           env=node.env(SHARED_DEVICES_ALLOCATION_POLICY="packed"))
         _wait_counts(agent, {GPU: 32})
         got = node.client.admit_pod("packed", {"main": {GPU: 2}})
         gpus = {i.split("::")[0] for i in got.container("main").devices(GPU)}
