@@ -182,7 +182,7 @@ SCHEMA: dict = {
         "failOnInitError": OPTION,
         "nvidiaDriverRoot": OPTION,
         "nvidiaDevRoot": OPTION,
-        "mpsRoot": Compat(PathKind(empty="none")),
+        "mpsRoot": OPTION,
         "gdrcopyEnabled": Compat(BoolKind()),
         "gdsEnabled": Compat(BoolKind()),
         "mofedEnabled": Compat(BoolKind()),
@@ -214,6 +214,7 @@ SCHEMA: dict = {
     "agent": {
         "stateDir": OPTION,
         "nvmlLibrary": OPTION,
+        "mpsControl": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,
         "metricsAddress": OPTION,

@@ -42,6 +42,7 @@ from agent.constants import (
     DEFAULT_METRICS_ADDRESS,
     DEFAULT_MIG_CHECK_INTERVAL_S,
     DEFAULT_MIG_STRATEGY,
+    DEFAULT_MPS_ROOT,
     DEFAULT_NFD_FEATURES_FILE,
     DEFAULT_NVML_CALL_TIMEOUT_S,
     DEFAULT_POD_RESOURCES_SOCKET,
@@ -53,6 +54,7 @@ from agent.constants import (
     DEVICE_ID_STRATEGIES,
     DEVICE_LIST_STRATEGIES,
     MIG_STRATEGIES,
+    MPS_CONTROL,
     NVML_SONAME,
     REPLICA_ALLOCATION_POLICIES,
     XID_POLICIES,
@@ -143,6 +145,18 @@ OPTIONS: tuple[Option, ...] = (
         NvmlLibraryKind(), NVML_SONAME,
         f"the NVML library: {NVML_SONAME} (looked up under the driver root) or an absolute path",
         default_text=f"{NVML_SONAME} under the driver root",
+    ),
+    Option(
+        "mps_root", "--mps-root", "MPS_ROOT", "flags.mpsRoot",
+        PathKind(empty=f"the default, {DEFAULT_MPS_ROOT}"), DEFAULT_MPS_ROOT,
+        "with sharing.mps: where each GPU's MPS control daemon gets its pipe and log "
+        "directories, and the /dev/shm it shares with its clients",
+    ),
+    Option(
+        "mps_control", "--mps-control", "GPU_AGENT_MPS_CONTROL", "agent.mpsControl",
+        PathKind(empty=f"{MPS_CONTROL} under the driver root"), "",
+        f"with sharing.mps: the {MPS_CONTROL} program the agent runs",
+        default_text=f"usr/bin/{MPS_CONTROL} under the driver root",
     ),
     Option(
         "checkpoint_device_id_strategy", "--checkpoint-device-id-strategy",

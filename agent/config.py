@@ -33,7 +33,7 @@ from agent._config_file import (
 )
 from agent._config_kinds import BoolKind, ChoiceListKind
 from agent._config_options import OPTIONS, OPTIONS_BY_KEY, Option
-from agent.constants import NVML_SONAME
+from agent.constants import DEFAULT_MPS_ROOT, MPS_CONTROL, NVML_SONAME
 from agent.errors import ConfigError, InvalidValue
 
 __all__ = [
@@ -83,6 +83,8 @@ class Config(NamedTuple):
     kubelet_socket: str  # "": do not connect to kubelet (NVIDIA's meaning)
     state_dir: str
     nvml_library: str
+    mps_root: str  # sharing.mps: the daemons' pipe and log directories, the shared /dev/shm
+    mps_control: str  # "": nvidia-cuda-mps-control under the driver root
     checkpoint_device_id_strategy: str
     pod_resources_socket: str  # "": do not ask kubelet's podresources
     reconcile_interval: float  # seconds; 0: only at start and after Allocate
@@ -132,6 +134,18 @@ class Config(NamedTuple):
         """The NVML library path to open as is, or None to look for libnvidia-ml.so.1 under
         the driver root (agent.nvml.library.resolve_library_path's `explicit`)."""
         return None if self.nvml_library == NVML_SONAME else self.nvml_library
+
+    @property
+    def mps_root_dir(self) -> str:
+        """flags.mpsRoot, "" read as the default (NVIDIA's flag has none; its logged config
+        may say "")."""
+        return self.mps_root or DEFAULT_MPS_ROOT
+
+    @property
+    def mps_control_program(self) -> str:
+        """The nvidia-cuda-mps-control the agent runs: agent.mpsControl, else usr/bin's under
+        the driver root."""
+        return self.mps_control or os.path.join(self.driver_root, "usr/bin", MPS_CONTROL)
 
     def to_document(self) -> dict:
         """The effective configuration as a v1 config file (JSON-able); loading it as a file

@@ -63,6 +63,11 @@ DEFAULT_DRIVER_ROOT = "/"
 DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/device-plugins/kubelet.sock"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_STATE_DIR = "/var/lib/gpu-agent"
+# MPS (sharing.mps): where each GPU's control daemon keeps its pipe and log directories, and
+# the /dev/shm its clients share (NVIDIA's Helm default for flags.mpsRoot), and the control
+# program, looked up under the driver root unless agent.mpsControl names it.
+DEFAULT_MPS_ROOT = "/run/nvidia/mps"
+MPS_CONTROL = "nvidia-cuda-mps-control"
 # The operators' manual isolation file, where NVIDIA's tooling keeps it.
 DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # Matching allocations to pods through podresources, besides at start and after Allocate.

@@ -26,6 +26,7 @@ from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
+from agent.mps.daemons import MpsDaemons
 from agent.nvml.guard import GUARD
 from agent.nvml.session import NvmlSession
 from agent.rm.resources import Resources, check_supported
@@ -58,6 +59,7 @@ class Daemon:
         self.state: Any = None  # the allocation journal and its reconciler (AllocationState)
         self.resources = Resources()
         self.health: HealthMonitor | None = None
+        self.mps = MpsDaemons(on_change=lambda: self.health and self.health.outages_changed())
         self.registrar: Registrar | None = None
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
         self.services = Services(self, on_change=self._wake)  # /dev/char, metrics, labels
@@ -125,7 +127,9 @@ class Daemon:
     def _advertise(self, gpus: list, restart_health: bool) -> None:
         """Build (or update) the resources from `gpus` and the config, then serve them."""
         before = [d.id for d in self.resources.devices]
-        self.resources.apply(gpus, self.cfg)
+        self.resources.apply(gpus, self.cfg)  # then sharing.mps's daemons, before serving
+        self.mps.apply(self.resources.mps, self.cfg.mps_control_program, self.cfg.mps_root_dir,
+                       self.environ)
         if self.state is not None:
             self.state.poke()  # the GPUs are known now: match records to them
         if restart_health or [d.id for d in self.resources.devices] != before:
@@ -153,7 +157,7 @@ class Daemon:
         old, self.health = self.health, monitor_from_config(
             self.cfg, library_path=self.nvml.path, gpus=self.resources.gpus,
             devices=self.resources.devices, sink=self.resources.set_health,
-            on_change=self._wake, current=self.resources.health())
+            on_change=self._wake, current=self.resources.health(), outages=self.mps.outages)
         self.health.start()  # its event set is registered before the old one stops
         if old is not None:
             old.stop(wait=False)
@@ -258,6 +262,7 @@ class Daemon:
         self.notifier.stopping(status.summary(self))
         if self.health is not None:
             self.health.stop()
+        self.mps.stop()  # the daemons go on serving their clients
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets
         self.resources.close()

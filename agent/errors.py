@@ -76,6 +76,11 @@ class InvalidValue(ValueError):
         self.subkey = subkey
 
 
+class MpsError(AgentError):
+    """An MPS control daemon could not be started, reached or told something
+    (agent.mps); the message says which GPU and what the program said."""
+
+
 class InitError(AgentError):
     """NVML or discovery failed at start with failOnInitError true (exit 1)."""
 

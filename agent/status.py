@@ -98,6 +98,7 @@ def document(d: Any) -> dict:
         "migPending": [g.mig_pending_note for g in d.resources.gpus if g.mig_pending_note],
         "state": d.state.status() if d.state is not None else None,
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
+        "mps": d.mps.status(),
         "health": d.health.status() if d.health is not None else None,
         **d.services.status(),  # devChar, metrics, labels
     }
@@ -210,6 +211,16 @@ def format_status(doc: dict) -> str:
             else:
                 runs.append([line, 1])
         lines.extend(line if n == 1 else f"{line} [{n} devices]" for line, n in runs)
+    mps = doc.get("mps") or {}
+    if mps.get("daemons"):
+        lines.append(f"MPS control daemons ({mps['launcher']}, {mps['program']}, under "
+                     f"{mps['root']}):")
+        for m in mps["daemons"]:
+            lines.append(f"  GPU {m['gpuIndex']} {m['gpuUuid']}: "
+                         + (f"running (pid {m['pid']})" if m["running"] else m["reason"])
+                         + f"; {m['replicas']} replicas, {m['threadPercentage']}% of the SMs "
+                           f"and {m['memoryLimitMiB']} MiB a client by default; restarted "
+                           f"{m['restarts']} times")
     if doc.get("cdi"):
         c = doc["cdi"]
         lines.append(f"CDI ({', '.join(c['strategies'])}): "

@@ -21,7 +21,7 @@ RANK = {
     "__main__": 0, "demo": 0,
     "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1,
     "kubelet": 2,
-    "rm": 3, "health": 3, "state": 3,
+    "rm": 3, "health": 3, "state": 3, "mps": 3,
     "nvml": 4,
     "_fast": 5,
     "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,

@@ -133,6 +133,8 @@ PRECEDENCE = {
                        ("/run/k/kubelet.sock", "/env/kubelet.sock", "/flag/kubelet.sock")),
     "state_dir": ("/srv/state", "/env/state", "/flag/state",
                   ("/srv/state", "/env/state", "/flag/state")),
+    "mps_root": ("/srv/mps", "/env/mps", "/flag/mps", ("/srv/mps", "/env/mps", "/flag/mps")),
+    "mps_control": ("/srv/mpsc", "", "/flag/mpsc", ("/srv/mpsc", "", "/flag/mpsc")),
     "nvml_library": ("/opt/a/libnvidia-ml.so.1", "/opt/b/libnvidia-ml.so.1", NVML_SONAME,
                      ("/opt/a/libnvidia-ml.so.1", "/opt/b/libnvidia-ml.so.1", NVML_SONAME)),
     "checkpoint_device_id_strategy": ("index", "uuid", "index", ("index", "uuid", "index")),
@@ -738,8 +740,8 @@ def test_nvidia_running_config_json_as_the_plugin_logs_it():
     assert cfg.device_list_strategy == ("envvar", "cdi-annotations")
     assert cfg.resources.gpus == (ResourcePattern("*", "nvidia.com/gpu"),)
     assert cfg.imex == Imex()
+    assert cfg.mps_root == "/run/nvidia/mps"
     assert dict(cfg.compat) == {
-        "flags.mpsRoot": "/run/nvidia/mps",
         "flags.gdsEnabled": False,
         "flags.mofedEnabled": False,
         "flags.deviceDiscoveryStrategy": "auto",

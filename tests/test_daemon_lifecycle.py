@@ -220,9 +220,6 @@ BAD_CONFIG = [
     ("flag-bad-choice", None, ["--device-list-strategy", "nope"], {},
      "--device-list-strategy", "'nope' is not one of"),
     # accepted by the config layer, refused by `run` until implemented
-    ("run-mps", "version: v1\nsharing:\n  mps:\n    resources:\n"
-     "      - name: nvidia.com/gpu\n        replicas: 4\n", [], {},
-     "sharing.mps", "MPS sharing is not supported by gpu-agent run yet"),
     ("run-imex", "version: v1\nimex:\n  channelIDs: [0]\n", [], {},
      "imex.channelIDs", "IMEX channels are not supported"),
 ]

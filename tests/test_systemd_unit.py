@@ -100,7 +100,7 @@ def test_after_the_nvidia_units_wanted_never_required_and_free_of_kubelet():
     assert "kubelet" not in " ".join(after + words(unit, "Wants"))
 
 
-def test_file_system_is_read_only_but_the_kubelet_directories_nfd_and_the_state():
+def test_file_system_is_read_only_but_the_kubelet_directories_nfd_mps_and_the_state():
     assert one("ProtectSystem") == "strict"
     writable = set(words(SERVICE, "ReadWritePaths"))
     pod_resources = OPTIONS_BY_NAME.get("pod_resources_socket")
@@ -109,10 +109,12 @@ def test_file_system_is_read_only_but_the_kubelet_directories_nfd_and_the_state(
         assert os.path.dirname(pod_resources.default) in kubelet_dirs
     # the node label file's directory (agent.nfdFeaturesFile's default)
     nfd = os.path.dirname(OPTIONS_BY_NAME["nfd_features_file"].default)
-    assert writable == kubelet_dirs | {nfd}
+    mps = OPTIONS_BY_NAME["mps_root"].default  # the MPS daemons' pipe and log directories
+    assert writable == kubelet_dirs | {nfd, mps}
     # created before the sandbox is set up, so the bind mounts always have a target
     (pre,) = SERVICE["ExecStartPre"]
-    assert pre.startswith("+/bin/mkdir -p ") and set(pre.split()[2:]) == kubelet_dirs | {nfd}
+    assert pre.startswith("+/bin/mkdir -p ") and \
+        set(pre.split()[2:]) == kubelet_dirs | {nfd, mps}
     # the state directory is systemd's StateDirectory=, which is the agent's default
     assert one("StateDirectory") == "gpu-agent"
     assert OPTIONS_BY_NAME["state_dir"].default == "/var/lib/gpu-agent"

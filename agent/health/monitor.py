@@ -101,15 +101,18 @@ class HealthMonitor:
     (agent.nvml.discovery.Gpu). `start()` applies the recorded faults and the isolation file
     before it returns (so the first ListAndWatch snapshot already has them), then runs.
     `recovery_probe` replaces agent.nvml.probe.recovery_probe (tests hold a probe in flight
-    with it)."""
+    with it). `outages()` names devices withdrawn for a reason outside NVML (device ID ->
+    reason: agent.mps's daemons that are down); `outages_changed()` applies a change of it."""
 
     def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
                  policy: XidPolicy, sink: Sink, state_dir: str | None = None,
                  quiet_period_s: float = 60.0, isolation_file: str = "",
                  events_module: Any = None, on_change: Callable[[], None] | None = None,
                  current: Mapping[str, tuple[bool, str]] | None = None,
-                 recovery_probe: Probe | None = None):
+                 recovery_probe: Probe | None = None,
+                 outages: Callable[[], Mapping[str, str]] = dict):
         self.library_path = library_path
+        self.outages = outages
         self.policy = policy
         self.sink = sink
         self.quiet_s = quiet_period_s
@@ -132,6 +135,7 @@ class HealthMonitor:
         # lost: the event loop (which owns the set) registers them, then clears their faults.
         self._reregister: dict[str, int] = {}
         self._isolation = Isolation()
+        self._outages: dict[str, str] = dict(outages())
         self._isolation_error = ""
         self._isolation_unknown: list[str] = []
         # What the devices' holders show now (a monitor replacing another on a reload): only
@@ -639,7 +643,17 @@ class HealthMonitor:
             reasons.append(fault.reason)
         if self._isolation.names(device):
             reasons.append(f"isolated by {self.isolation_file}")
+        outage = self._outages.get(device.id)
+        if outage:
+            reasons.append(outage)
         return (not reasons, "; ".join(reasons))
+
+    def outages_changed(self) -> None:
+        """From any thread: `outages()` changed; withdraw or return those devices."""
+        with self._lock:
+            old, self._outages = self._outages, dict(self.outages())
+            ended = sorted({r for i, r in old.items() if i not in self._outages})
+            self._apply(f"no longer {'; '.join(ended)}" if ended else "")
 
     def _apply(self, why_healthy: str) -> None:
         """Send every change of health (or reason) to the sink as one batch, log each GPU's
@@ -792,7 +806,8 @@ def format_status(doc: dict) -> list[str]:
 def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         devices: Sequence[Any], sink: Sink,
                         on_change: Callable[[], None] | None = None,
-                        current: Mapping[str, tuple[bool, str]] | None = None) -> HealthMonitor:
+                        current: Mapping[str, tuple[bool, str]] | None = None,
+                        outages: Callable[[], Mapping[str, str]] = dict) -> HealthMonitor:
     """A monitor set up from the agent's Config (agent.health options)."""
     policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions,
                              table=cfg.xid_policy)
@@ -800,7 +815,7 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                          sink=sink, state_dir=cfg.state_dir,
                          quiet_period_s=cfg.recovery_quiet_period,
                          isolation_file=cfg.unhealthy_devices_file, on_change=on_change,
-                         current=current)
+                         current=current, outages=outages)
 
 
 __all__ = ["ACTION_TEXT", "HealthMonitor", "format_status", "matches_instance",

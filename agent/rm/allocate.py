@@ -28,11 +28,13 @@ from agent.constants import (
 )
 from agent.errors import RequestError
 from agent.rm.devices import Device
+from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
 
 DEVICE_LIST_ENVVAR = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 VOLUME_MOUNT_HOST_PATH = "/dev/null"
 CDI_KIND = "nvidia.com/gpu"
+MPS_CONTAINER_ROOT = "/mps"  # cmd/mps-control-daemon/mps/root.go ContainerRoot
 # Control device nodes passed with passDeviceSpecs where they exist under the dev root.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                    "/dev/nvidia-modeset")
@@ -58,6 +60,7 @@ class ResponseOptions(NamedTuple):
     pass_device_specs: bool = False
     cdi_annotation_prefix: str = DEFAULT_CDI_ANNOTATION_PREFIX
     dev_root: str = DEFAULT_DRIVER_ROOT
+    mps_root: str = ""  # sharing.mps: flags.mpsRoot (replicas get MPS's env and mounts)
 
 
 class ContainerResponse:
@@ -127,11 +130,38 @@ def _device_specs(devices: Sequence[Device], dev_root: str) -> list[DeviceSpec]:
     return specs
 
 
+def _mps(response: ContainerResponse, devices: Sequence[Device], opts: ResponseOptions,
+         resource: str) -> None:
+    """What a container holding MPS replicas needs: NVIDIA's pipe directory (env and mount,
+    internal/plugin/mps.go updateReponse: /mps/<resource>/pipe in the container) and shared
+    /dev/shm, here from its GPU's own control daemon, and its share of the GPU: k of the GPU's
+    N replicas give k/N of the SMs and of the memory, which its MPS server enforces (a client
+    can lower the daemon's defaults, not raise them: agent.rm.sharing.mps_plan)."""
+    shared = [d for d in devices if d.replica_of]
+    if not shared:
+        return
+    gpus = dict.fromkeys(f"GPU {d.gpu_index}" for d in shared)
+    if len(gpus) > 1:
+        raise RequestError(f'invalid allocation request for "{resource}": MPS replicas of one '
+                           f'container must be on one GPU (each GPU has its own MPS control '
+                           f'daemon and a CUDA process connects to one); got {", ".join(gpus)}')
+    d, k = shared[0], len(shared)
+    pipe = f"{MPS_CONTAINER_ROOT}/{resource}/pipe"
+    response.envs["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+    response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 * k // d.replicas)
+    response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = \
+        f"0={d.memory * k // d.replicas >> 20}MB"  # the container sees its GPU as device 0
+    response.mounts = [*response.mounts,
+                       Mount(pipe, mps_pipe_dir(opts.mps_root, d.gpu_uuid)),
+                       Mount("/dev/shm", mps_shm_dir(opts.mps_root))]
+
+
 def container_response(devices: Sequence[Device], opts: ResponseOptions,
-                       response_id: str | None = None) -> ContainerResponse:
-    """The ContainerAllocateResponse for `devices` under `opts`.
+                       response_id: str | None = None, resource: str = "") -> ContainerResponse:
+    """The ContainerAllocateResponse for `devices` of `resource` under `opts`.
 
     `response_id` makes the CDI annotation key unique; a random UUID when not given.
+    RequestError for MPS replicas on more than one GPU.
     """
     ids = _response_ids(devices, opts.id_strategy)
     response = ContainerResponse()
@@ -153,4 +183,6 @@ def container_response(devices: Sequence[Device], opts: ResponseOptions,
         ]
     if opts.pass_device_specs:
         response.devices = _device_specs(devices, opts.dev_root)
+    if opts.mps_root:
+        _mps(response, devices, opts, resource)
     return response

@@ -37,7 +37,7 @@ def uses_cdi(opts: ResponseOptions) -> bool:
 def device_names(devices: Iterable[Device], opts: ResponseOptions) -> dict[str, Device]:
     """The fully-qualified CDI names (`nvidia.com/gpu=<id>`) that Allocate hands out for
     `devices` under `opts`, each with its device, as agent.rm.allocate builds them."""
-    cdi_only = opts._replace(list_strategies=("cdi-cri",), pass_device_specs=False)
+    cdi_only = opts._replace(list_strategies=("cdi-cri",), pass_device_specs=False, mps_root="")
     names: dict[str, Device] = {}
     for device in devices:
         for name in container_response([device], cdi_only).cdi_devices:

@@ -41,9 +41,12 @@ class Device(NamedTuple):
     # MIG instance placement (GPU / compute instance ids) for health events; None: a full GPU.
     gi: int | None = None
     ci: int | None = None
-    # A time-slicing replica (agent.rm.sharing): the ID of the GPU or MIG device it shares,
-    # which is what a container is given; "" for a device advertised whole.
+    # A shared replica (agent.rm.sharing): the ID of the GPU or MIG device it shares, which
+    # is what a container is given, and how many replicas that device has; "" and 0 for a
+    # device advertised whole.
     replica_of: str = ""
+    replicas: int = 0
+    memory: int = 0  # bytes of the GPU or MIG device (MPS memory limits)
 
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
@@ -58,6 +61,7 @@ def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
             numa_node=gpu.numa_node,
             paths=(f"/dev/nvidia{gpu.minor}",),
             name=gpu.name,
+            memory=gpu.memory_total,
         )
         for gpu in sorted(gpus, key=lambda g: g.index)
     ]
@@ -85,7 +89,8 @@ def mig_device(m: MigDevice) -> Device:
     GetPaths) and its GPU / compute instance for health events."""
     return Device(id=m.uuid, index=m.index_id, gpu_uuid=m.parent.uuid, gpu_index=m.parent.index,
                   numa_node=m.parent.numa_node, paths=(f"/dev/nvidia{m.parent.minor}", *m.caps),
-                  name=f"{m.parent.name} MIG {m.profile}", gi=m.gi, ci=m.ci)
+                  name=f"{m.parent.name} MIG {m.profile}", gi=m.gi, ci=m.ci,
+                  memory=m.memory_mb << 20)
 
 
 def default_mig_resource(strategy: str, profile: str) -> str | None:

@@ -66,8 +66,10 @@ class ResourceManager:
                  journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
                  | None = None, topology: TopologyModel | None = None,
                  allocation_policy: str = "best-effort",
-                 replica_policy: str = "distributed", one_replica: bool = False):
+                 replica_policy: str = "distributed", one_replica: bool = False,
+                 one_gpu: bool = False):
         self.resource = resource
+        self.one_gpu = one_gpu  # MPS: a container's replicas on one GPU
         self.options = options
         self.allocation_policy = allocation_policy
         self.replica_policy = replica_policy
@@ -154,7 +156,8 @@ class ResourceManager:
 
     def reconfigure(self, devices: Sequence[Device], options: ResponseOptions, *,
                     topology: TopologyModel | None = None, allocation_policy: str = "best-effort",
-                    replica_policy: str = "distributed", one_replica: bool = False) -> bool:
+                    replica_policy: str = "distributed", one_replica: bool = False,
+                    one_gpu: bool = False) -> bool:
         """Apply a reload behind the running server: new response options and policies take
         effect for the next call; a changed device list (GPUs found or gone, another order) is
         a new version, so open ListAndWatch streams send it. Devices that stay keep their
@@ -164,6 +167,7 @@ class ResourceManager:
         with self._cond:
             self.options, self.topology = options, topology
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
+            self.one_gpu = one_gpu
             if devices == self.devices:
                 self._answering = (options, self.by_id, {}, one_replica)
                 return False
@@ -196,7 +200,7 @@ class ResourceManager:
                 devices = resolve_request(self.resource, ids, by_id)
                 if one_replica:
                     check_shared_request(self.resource, devices)
-                hit = (devices, container_response(devices, options))
+                hit = (devices, container_response(devices, options, resource=self.resource))
                 # not kept: a new CDI annotation key every time; the control nodes passed with
                 # passDeviceSpecs are those that exist now (nvidia-uvm appears on first use)
                 if not options.pass_device_specs and \
@@ -215,7 +219,8 @@ class ResourceManager:
         return [preferred_allocation(self.resource, r.available, r.must_include, r.size,
                                      self.by_id, model=self.topology,
                                      policy=self.allocation_policy,
-                                     replica_policy=self.replica_policy) for r in requests]
+                                     replica_policy=self.replica_policy,
+                                     one_gpu=self.one_gpu) for r in requests]
 
 
 def _fitting(topology: TopologyModel | None, devices: Sequence[Device]) -> TopologyModel:

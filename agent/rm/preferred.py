@@ -68,7 +68,7 @@ def check_request(resource: str, available: Sequence[str], must_include: Sequenc
 def preferred_allocation(resource: str, available: Sequence[str], must_include: Sequence[str],
                          size: int, known: Mapping[str, Device], *,
                          model: TopologyModel | None = None, policy: str = BEST_EFFORT,
-                         replica_policy: str = DISTRIBUTED,
+                         replica_policy: str = DISTRIBUTED, one_gpu: bool = False,
                          topology_module: Any = None) -> list[str]:
     """The device IDs to prefer for one container: `size` of `available`, `must_include` first
     (in request order), then the others: those on the NUMA node holding most of the pick first,
@@ -85,6 +85,11 @@ def preferred_allocation(resource: str, available: Sequence[str], must_include: 
     rank = {device_id: r for r, device_id in enumerate(known)}
     pos_of = {i: model.by_uuid[known[i].gpu_uuid].pos for i in avail}
     per_gpu = Counter(pos_of.values())
+    if one_gpu and any(known[i].replica_of for i in avail):
+        # MPS: a container's replicas must reach one GPU's daemon (agent.rm.allocate)
+        in_use = _in_use(model, known, per_gpu)
+        return _one_parent(avail, must, size, pos_of, rank, in_use, replica_policy) or \
+            _replicas(model, avail, must, size, pos_of, rank, PACKED)
     if all(c == 1 for c in per_gpu.values()):
         return _whole_gpus(model, avail, must, size, pos_of, policy)
     if any(known[i].gi is not None for i in avail):
@@ -106,10 +111,12 @@ def _in_use(model: TopologyModel, known: Mapping[str, Device], per_gpu: Counter)
 
 
 def _one_parent(avail: list[str], must: list[str], size: int, pos_of: dict[str, int],
-                rank: dict[str, int]) -> list[str] | None:
+                rank: dict[str, int], in_use: Counter | None = None,
+                replica_policy: str = PACKED) -> list[str] | None:
     """`size` devices on one GPU: the GPU of the must-include devices, or the one with the
-    fewest available devices that still holds the request (bigger ones stay free); None when
-    no GPU can."""
+    fewest available devices that still holds the request (bigger ones stay free; under
+    `distributed`, the one with the fewest devices in use, per `in_use`); None when no GPU
+    can."""
     on: dict[int, list[str]] = {}
     for i in sorted(avail, key=lambda d: rank[d]):
         on.setdefault(pos_of[i], []).append(i)
@@ -117,7 +124,10 @@ def _one_parent(avail: list[str], must: list[str], size: int, pos_of: dict[str, 
     fits = [p for p, ids in on.items() if len(ids) >= size and (not homes or homes == {p})]
     if not fits:
         return None
-    p = min(fits, key=lambda q: (len(on[q]), q))
+    if replica_policy == DISTRIBUTED and in_use is not None:
+        p = min(fits, key=lambda q: (in_use[q], -len(on[q]), q))
+    else:
+        p = min(fits, key=lambda q: (len(on[q]), q))
     return list(must) + [i for i in on[p] if i not in must][:size - len(must)]
 
 

@@ -1,7 +1,7 @@
 """The set of resources the agent advertises, built from the discovered GPUs and the config.
 
-Owns: which settings `gpu-agent run` implements (MPS sharing and IMEX are refused with the
-key named; time-slicing is applied by agent.rm.sharing), the Allocate response options a config gives, the link model of
+Owns: which settings `gpu-agent run` implements (IMEX is refused with the key named; sharing
+is applied by agent.rm.sharing), the Allocate response options a config gives, the link model of
 the GPUs (read from NVML once per GPU set), and `Resources.apply`: one `ResourceManager` per
 resource name, kept across reloads. A resource that stays keeps its manager object (its
 server, streams and device health stay with it) and only takes the new settings; resources
@@ -24,7 +24,7 @@ from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
 from agent.rm.manager import ResourceManager
 from agent.rm.migwatch import MigWatch, gone_in_use
-from agent.rm.sharing import replicate
+from agent.rm.sharing import MpsGpu, check_mps, mps_plan, replicate
 from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
@@ -33,13 +33,9 @@ log = logging.getLogger(__name__)
 def check_supported(cfg: Config) -> None:
     """Refuse, with the key and where it was set, settings `run` does not implement yet
     (config.py accepts them, as NVIDIA's schema has them)."""
-    for key, refused, what in (("sharing.mps", cfg.sharing.mps is not None, "MPS sharing is"),
-                               ("imex.channelIDs", bool(cfg.imex.channel_ids),
-                                "IMEX channels are")):
-        if refused:
-            raise ConfigError(key, f"{what} not supported by gpu-agent run yet; remove "
-                                   f"{'them' if key.startswith('imex') else 'it'}",
-                              cfg.config_file or "")
+    if cfg.imex.channel_ids:
+        raise ConfigError("imex.channelIDs", "IMEX channels are not supported by gpu-agent run "
+                                             "yet; remove them", cfg.config_file or "")
 
 
 def _listing(devices: Sequence[Any]) -> str:
@@ -58,7 +54,8 @@ def response_options(cfg: Config) -> ResponseOptions:
                            id_strategy=cfg.device_id_strategy,
                            pass_device_specs=cfg.pass_device_specs,
                            cdi_annotation_prefix=cfg.cdi_annotation_prefix,
-                           dev_root=cfg.dev_root)
+                           dev_root=cfg.dev_root,
+                           mps_root=cfg.mps_root_dir if cfg.sharing.mps is not None else "")
 
 
 # An Allocate that arrives before the allocation journal is loaded waits this long for it.
@@ -78,6 +75,7 @@ class Resources:
         self.managers: dict[str, ResourceManager] = {}
         self.gpus: list[discovery.Gpu] = []
         self.topology: TopologyModel | None = None
+        self.mps: dict[str, MpsGpu] = {}  # the GPUs sharing.mps shares (agent.mps runs them)
 
     def set_journal(self, journal: Callable, records: Callable[[], Sequence]) -> None:
         self._journal, self._records = journal, records
@@ -100,9 +98,15 @@ class Resources:
         NVML when the strategy is not none), time-sliced replicas included; MigLayoutError
         for a layout it refuses."""
         migs = mig.read_mig_devices(gpus) if cfg.mig_strategy != "none" else []
-        return replicate(devices_by_resource(gpus, cfg.resources.gpus, strategy=cfg.mig_strategy,
-                                             migs=migs, mig_patterns=cfg.resources.mig),
-                         cfg.sharing.time_slicing)
+        mps = cfg.sharing.mps
+        device_map = replicate(devices_by_resource(gpus, cfg.resources.gpus,
+                                                   strategy=cfg.mig_strategy, migs=migs,
+                                                   mig_patterns=cfg.resources.mig),
+                               cfg.sharing.time_slicing or mps,
+                               "sharing.mps" if mps else "sharing.timeSlicing")
+        if mps is not None:
+            check_mps(device_map, gpus, mps, cfg.config_file or "")
+        return device_map
 
     def apply(self, gpus: Sequence[discovery.Gpu], cfg: Config) -> tuple[list[str], list[str]]:
         """Advertise `gpus` as `cfg` says; (added, removed) resource names. The managers dict
@@ -112,10 +116,12 @@ class Resources:
         before = self.devices
         self.gpus = list(gpus)
         options, topology = response_options(cfg), self._topology()
-        shared = cfg.sharing.time_slicing  # failRequestsGreaterThanOne: one replica a container
+        shared = cfg.sharing.time_slicing or cfg.sharing.mps
+        one = bool(shared and shared.fail_requests_greater_than_one)  # a replica a container
+        self.mps = mps_plan(device_map, one) if cfg.sharing.mps is not None else {}
         policies = {"allocation_policy": cfg.allocation_policy,
                     "replica_policy": cfg.replica_allocation_policy,
-                    "one_replica": bool(shared and shared.fail_requests_greater_than_one)}
+                    "one_replica": one, "one_gpu": cfg.sharing.mps is not None}
         managers = {}
         for name, devices in device_map.items():
             manager = self.managers.get(name)

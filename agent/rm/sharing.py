@@ -1,9 +1,12 @@
-"""Time-slicing: the replicas a `sharing.timeSlicing` config makes of a resource's devices.
+"""Sharing: the replicas a `sharing.timeSlicing` or `sharing.mps` config makes of a resource's
+devices, and what MPS needs per GPU.
 
 Owns: `replicate`, which turns the device map of agent.rm.devices into the advertised one
-(each shared device becomes N devices `<id>::<n>` under the resource's shared name), and the
-names and rules that go with it. Plain data in and out: must not call NVML nor import grpc.
-docs/sharing.md is the operator's view of the same rules.
+(each shared device becomes N devices `<id>::<n>` under the resource's shared name), the
+names and rules that go with it, MPS's refusals (MIG devices, too many clients), the host
+paths of each GPU's MPS control daemon and `mps_plan` (which GPUs need one, with which default
+limits). Plain data in and out: must not call NVML, start processes nor import grpc (the
+daemons are agent.mps's). docs/sharing.md is the operator's view of the same rules.
 
 NVIDIA's rules, read in k8s-device-plugin v0.20.0 (internal/rm/device_map.go
 updateDeviceMapWithReplicas and getIDsOfDevicesToReplicate, internal/rm/devices.go
@@ -25,15 +28,50 @@ node does not have is logged and left out rather than failing the plugin; an ent
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from agent.errors import ConfigError, MigLayoutError
 from agent.rm.devices import Device
 
 log = logging.getLogger(__name__)
 
 REPLICA_SEPARATOR = "::"
 SHARED_SUFFIX = ".shared"  # consts.go DefaultSharedResourceNameSuffix
+MIB = 1 << 20
+
+
+class MpsGpu(NamedTuple):
+    """A GPU shared with MPS: its control daemon's default limits and the replicas it serves."""
+
+    uuid: str
+    index: int
+    replicas: int
+    memory: int  # bytes
+    device_ids: tuple[str, ...]
+    thread_percentage: int  # set_default_active_thread_percentage
+    memory_limit_mib: int  # set_default_device_pinned_mem_limit 0 <n>M
+
+
+def mps_pipe_dir(root: str, gpu_uuid: str) -> str:
+    """The host pipe directory of a GPU's MPS control daemon (CUDA_MPS_PIPE_DIRECTORY)."""
+    return os.path.join(root, gpu_uuid, "pipe")
+
+
+def mps_log_dir(root: str, gpu_uuid: str) -> str:
+    return os.path.join(root, gpu_uuid, "log")
+
+
+def mps_shm_dir(root: str) -> str:
+    """The /dev/shm every MPS daemon and client shares (NVIDIA's root.go ShmDir: <root>/shm)."""
+    return os.path.join(root, "shm")
+
+
+def mps_max_clients(compute_capability: tuple[int, int]) -> int:
+    """cmd/mps-control-daemon/mps/device.go maxClients: 48 from compute capability 7.5 (the
+    isAtLeastVolta check compares with v7.5), 16 below."""
+    return 48 if tuple(compute_capability) >= (7, 5) else 16
 
 
 def replica_id(device_id: str, n: int) -> str:
@@ -96,5 +134,57 @@ def replicate(device_map: Mapping[str, Sequence[Device]], shared: Any,
                 out.setdefault(entry.name, []).append(d)
             else:
                 out.setdefault(to, []).extend(
-                    d._replace(id=replica_id(d.id, k), replica_of=d.id) for k in range(n))
+                    d._replace(id=replica_id(d.id, k), replica_of=d.id, replicas=n)
+                    for k in range(n))
     return {name: ds for name, ds in sorted(out.items()) if ds}
+
+
+def check_mps(device_map: Mapping[str, Sequence[Device]], gpus: Sequence[Any], mps: Any,
+              config_file: str = "") -> None:
+    """MPS's refusals, in NVIDIA's words where it has them: a MIG device among the shared
+    ones (internal/plugin/mps.go getMPSOptions; MigLayoutError, so a reload keeps the running
+    layout), more replicas of a GPU than its MPS server takes clients (device.go
+    assertReplicas; ConfigError naming the entry)."""
+    shared = [d for ds in device_map.values() for d in ds if d.replica_of]
+    mig = next((d for d in shared if d.gi is not None), None)
+    if mig is not None:
+        raise MigLayoutError(f"sharing.mps: sharing using MPS is not supported for MIG devices "
+                             f"(MIG device {mig.replica_of} on GPU {mig.gpu_index}; see "
+                             f"docs/sharing.md)")
+    by_uuid = {g.uuid: g for g in gpus}
+    entries = {shared_name(r, mps.rename_by_default): i for i, r in enumerate(mps.resources)}
+    for name, devices in device_map.items():
+        for d in devices:
+            gpu = by_uuid.get(d.gpu_uuid)
+            most = mps_max_clients(gpu.compute_capability) if gpu is not None else 0
+            if d.replica_of and gpu is not None and d.replicas > most:
+                entry = entries.get(name, 0)
+                raise ConfigError(f"sharing.mps.resources[{entry}].replicas",
+                                  f"invalid MPS configuration: invalid device maximum allowed "
+                                  f"replicas exceeded: {d.replicas} > {most} (GPU "
+                                  f"{gpu.index}, compute capability "
+                                  f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]})",
+                                  config_file)
+
+
+def mps_plan(device_map: Mapping[str, Sequence[Device]],
+             fail_requests_greater_than_one: bool) -> dict[str, MpsGpu]:
+    """The GPUs that need an MPS control daemon, by UUID, with its default limits: a GPU's
+    share (100 / N % of the SMs, 1/N of the memory) when a container gets one replica at most
+    (failRequestsGreaterThanOne, NVIDIA's default for MPS: the daemon enforces it for every
+    client), else the whole GPU, and each container's own k/N comes in its environment
+    (agent.rm.allocate), which the client can only lower, not raise."""
+    out: dict[str, MpsGpu] = {}
+    ids: dict[str, list[str]] = {}
+    for devices in device_map.values():
+        for d in devices:
+            if not d.replica_of:
+                continue
+            ids.setdefault(d.gpu_uuid, []).append(d.id)
+            if d.gpu_uuid not in out:
+                share = 1 if fail_requests_greater_than_one else d.replicas
+                out[d.gpu_uuid] = MpsGpu(d.gpu_uuid, d.gpu_index, d.replicas, d.memory, (),
+                                         100 * share // d.replicas,
+                                         d.memory * share // d.replicas // MIB)
+    return {u: g._replace(device_ids=tuple(ids[u])) for u, g in sorted(
+        out.items(), key=lambda kv: kv[1].index)}
