@@ -28,6 +28,7 @@ from agent._config_kinds import (
     expect_str,
 )
 from agent._config_options import OPTIONS_BY_KEY
+from agent.constants import VCUDA_CORE, VCUDA_CORE_UNITS, VCUDA_MEMORY
 from agent.errors import ConfigError, InvalidValue
 
 VERSION = "v1"
@@ -288,6 +289,18 @@ def resource_name(value: Any) -> str:
                            f"lower-case letters, digits, '-' and '.', starting and ending with a "
                            f"letter or digit")
     return full
+
+
+def _rename(value: Any) -> str:
+    """A `rename`: a resource name as NVIDIA checks it, or gpu-manager's vcuda-core."""
+    if value == VCUDA_CORE:
+        return value
+    if value == VCUDA_MEMORY:
+        raise InvalidValue(f"{VCUDA_MEMORY} is not supported: as a second resource beside "
+                           f"{VCUDA_CORE} it needs gpu-manager's scheduler extender to put a "
+                           f"pod's cores and memory on one GPU, which kubelet alone cannot; "
+                           f"{VCUDA_CORE} limits memory in proportion (docs/sharing.md)")
+    return resource_name(value)
 
 
 def device_ref(value: Any) -> str:
@@ -561,11 +574,29 @@ class _Reader:
             first[name] = i
             out.append(ReplicatedResource(
                 name=name,
-                rename=self.optional(r, "rename", ikey, resource_name, None),
+                rename=self.optional(r, "rename", ikey, _rename, None),
                 devices=self.optional(r, "devices", ikey, _devices, "all"),
                 replicas=self.required(r, "replicas", ikey, _replicas),
             ))
+            if out[-1].rename == VCUDA_CORE:
+                self._vcuda_core(out[-1], ikey, key, fail_gt_one)
         return ReplicatedResources(tuple(out), rename_by_default, fail_gt_one)
+
+    def _vcuda_core(self, entry: ReplicatedResource, ikey: str, key: str,
+                    fail_gt_one: bool) -> None:
+        """gpu-manager's vcuda-core preset: units that MPS enforces, 100 a GPU, several a
+        container."""
+        if not key.endswith(".mps"):
+            raise self.fail(f"{ikey}.rename", f"{VCUDA_CORE} needs MPS to enforce its units: "
+                                              f"put it under sharing.mps")
+        if entry.replicas != VCUDA_CORE_UNITS:
+            raise self.fail(f"{ikey}.replicas", f"{VCUDA_CORE} is {VCUDA_CORE_UNITS} units a "
+                                                f"GPU, as gpu-manager counts it; got "
+                                                f"{entry.replicas}")
+        if fail_gt_one:
+            raise self.fail(f"{key}.failRequestsGreaterThanOne",
+                            f"must be false with {VCUDA_CORE}: a container asks for several "
+                            f"units")
 
     def imex(self, value: Any, key: str) -> Imex:
         m = self.mapping(value, key, ("channelIDs", "required"))

@@ -68,6 +68,11 @@ DEFAULT_STATE_DIR = "/var/lib/gpu-agent"
 # program, looked up under the driver root unless agent.mpsControl names it.
 DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 MPS_CONTROL = "nvidia-cuda-mps-control"
+# TKEStack gpu-manager's names: vcuda-core (100 units a GPU) is a preset of sharing.mps
+# (docs/sharing.md); vcuda-memory, an independent second resource, is refused with why.
+VCUDA_CORE = "tencent.com/vcuda-core"
+VCUDA_MEMORY = "tencent.com/vcuda-memory"
+VCUDA_CORE_UNITS = 100
 # The operators' manual isolation file, where NVIDIA's tooling keeps it.
 DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # Matching allocations to pods through podresources, besides at start and after Allocate.

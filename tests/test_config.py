@@ -599,6 +599,24 @@ _R0 = "sharing.timeSlicing.resources[0]"
      "replicas: <n>}"),
     (_ts(devices=["1", {"device": 1, "replicas": 4}]), f"{_R0}.devices[1]",
      "'1' is listed twice"),
+    # gpu-manager's names (docs/sharing.md): vcuda-core is a preset of MPS, vcuda-memory refused
+    (v1(sharing={"mps": {"failRequestsGreaterThanOne": False, "resources": [
+        {"name": "gpu", "replicas": 100, "rename": "tencent.com/vcuda-memory"}]}}),
+     "sharing.mps.resources[0].rename",
+     "tencent.com/vcuda-memory is not supported: as a second resource beside "
+     "tencent.com/vcuda-core it needs gpu-manager's scheduler extender to put a pod's cores and "
+     "memory on one GPU, which kubelet alone cannot; tencent.com/vcuda-core limits memory in "
+     "proportion (docs/sharing.md)"),
+    (_ts(replicas=100, rename="tencent.com/vcuda-core"), f"{_R0}.rename",
+     "tencent.com/vcuda-core needs MPS to enforce its units: put it under sharing.mps"),
+    (v1(sharing={"mps": {"failRequestsGreaterThanOne": False, "resources": [
+        {"name": "gpu", "replicas": 10, "rename": "tencent.com/vcuda-core"}]}}),
+     "sharing.mps.resources[0].replicas",
+     "tencent.com/vcuda-core is 100 units a GPU, as gpu-manager counts it; got 10"),
+    (v1(sharing={"mps": {"resources": [
+        {"name": "gpu", "replicas": 100, "rename": "tencent.com/vcuda-core"}]}}),
+     "sharing.mps.failRequestsGreaterThanOne",
+     "must be false with tencent.com/vcuda-core: a container asks for several units"),
     (v1(sharing={"timeSlicing": {"renameByDefault": True}}), "sharing.timeSlicing.resources",
      "missing (required): list the resources to share, e.g. [{name: nvidia.com/gpu, "
      "replicas: 4}]"),

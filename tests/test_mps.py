@@ -265,3 +265,36 @@ def test_under_systemd_the_daemon_is_a_transient_unit_with_the_shared_dev_shm():
     assert f"--setenv=CUDA_VISIBLE_DEVICES={uuid}" in argv
     assert f"--setenv=CUDA_MPS_PIPE_DIRECTORY=/run/nvidia/mps/{uuid}/pipe" in argv
     assert argv[-3:] == ["--", "/usr/bin/nvidia-cuda-mps-control", "-d"]
+
+
+def test_gpu_managers_vcuda_core_preset_is_100_units_a_gpu_limited_in_proportion(mps):
+    """TKEStack gpu-manager's tencent.com/vcuda-core (100 per GPU) on MPS, from the preset the
+    RPM ships: 8 GPUs are 800 units, and a container asking for 30 gets 30% of one GPU's SMs
+    and memory."""
+    preset = Path(__file__).resolve().parent.parent / "packaging" / "presets" / "vcuda-core.yaml"
+    core = "tencent.com/vcuda-core"
+    agent = mps.agent(str(preset))
+    res = agent.wait_registered(resource=core)
+    assert len(res.devices) == 800
+    assert mps.node.client.state().resource(GPU) is None  # every GPU went to vcuda-core
+    got = mps.node.client.admit_pod("infer", {"main": {core: 30}})
+    alloc = got.container("main").allocation(core)
+    gpus = {i.split("::")[0] for i in alloc.device_ids}
+    assert len(alloc.device_ids) == 30 and len(gpus) == 1  # 30 units of one GPU
+    envs = alloc.container_response.envs
+    assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={(16 << 30) * 30 // 100 // MIB}MB"
+    assert envs["CUDA_MPS_PIPE_DIRECTORY"] == f"/mps/{core}/pipe"
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == gpus.pop()
+
+
+def test_more_replicas_than_the_mps_server_takes_clients_is_refused_naming_the_entry():
+    """device.go assertReplicas / maxClients: V100 (compute capability 7.0) takes 16."""
+    with Node() as node:
+        config = _config(node, "- name: nvidia.com/gpu\n  replicas: 20")
+        agent = node.agent("--config", config, "--mps-root", node.path("mps"),
+                           "--mps-control", STAND_IN)
+        assert agent.wait_exit() == 2
+        assert "sharing.mps.resources[0].replicas: invalid MPS configuration: invalid device " \
+            "maximum allowed replicas exceeded: 20 > 16 (GPU 0, compute capability 7.0)" in agent.log
+        assert not os.path.exists(node.path("mps"))

@@ -32,6 +32,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from agent.constants import VCUDA_CORE
 from agent.errors import ConfigError, MigLayoutError
 from agent.rm.devices import Device
 
@@ -144,7 +145,7 @@ def check_mps(device_map: Mapping[str, Sequence[Device]], gpus: Sequence[Any], m
     """MPS's refusals, in NVIDIA's words where it has them: a MIG device among the shared
     ones (internal/plugin/mps.go getMPSOptions; MigLayoutError, so a reload keeps the running
     layout), more replicas of a GPU than its MPS server takes clients (device.go
-    assertReplicas; ConfigError naming the entry)."""
+    assertReplicas; ConfigError naming the entry), but for gpu-manager's vcuda-core units."""
     shared = [d for ds in device_map.values() for d in ds if d.replica_of]
     mig = next((d for d in shared if d.gi is not None), None)
     if mig is not None:
@@ -157,7 +158,9 @@ def check_mps(device_map: Mapping[str, Sequence[Device]], gpus: Sequence[Any], m
         for d in devices:
             gpu = by_uuid.get(d.gpu_uuid)
             most = mps_max_clients(gpu.compute_capability) if gpu is not None else 0
-            if d.replica_of and gpu is not None and d.replicas > most:
+            # vcuda-core's 100 units are not clients: a container holds several of them (its
+            # containers are the clients; docs/sharing.md says how many a GPU takes)
+            if d.replica_of and gpu is not None and d.replicas > most and name != VCUDA_CORE:
                 entry = entries.get(name, 0)
                 raise ConfigError(f"sharing.mps.resources[{entry}].replicas",
                                   f"invalid MPS configuration: invalid device maximum allowed "
