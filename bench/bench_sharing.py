@@ -1,23 +1,28 @@
-"""Sharing: Allocate of a time-sliced replica against Allocate of a full GPU, interleaved in
-the same run.
+"""Sharing: Allocate of a time-sliced and of an MPS replica against Allocate of a full GPU,
+interleaved in the same run, and an MPS control daemon's death to its replicas' return.
 
-Owns: two `gpu-agent run` processes on two simulated dgx1-v100 nodes (each with its own
-simulated kubelet), one advertising the 8 GPUs whole and one with `sharing.timeSlicing`
-(4 replicas of each GPU); a 1-device request to each, from 1 blocking caller, in alternating
-blocks. Figures only; the tests assert behaviour, never time.
+Owns: three `gpu-agent run` processes on three simulated dgx1-v100 nodes (each with its own
+simulated kubelet): the 8 GPUs whole, `sharing.timeSlicing` and `sharing.mps` (4 replicas of
+each GPU; MPS through the simulated nvidia-cuda-mps-control); a 1-device request to each, from
+1 blocking caller, in alternating blocks; then the MPS agent's daemon of GPU 0 killed
+repeatedly. Figures only; the tests assert behaviour, never time.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import statistics
 import tempfile
+import time
+from pathlib import Path
 
 import grpc
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent.rm.sharing import mps_pipe_dir
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from bench import Section, allocate_timed, percentile, sim_node_env
 from bench.bench_plugin import Kind, _next, _Run
@@ -25,13 +30,16 @@ from bench.bench_plugin import Kind, _next, _Run
 QUICK = os.environ.get("BENCH_QUICK") == "1"  # a smoke run: a tenth of the calls
 BLOCKS, BLOCK = 20, 100 // (10 if QUICK else 1)
 REPLICAS = 4
-SHARED_CONFIG = f"""version: v1
+KILLS = 4 if QUICK else 20
+SHARED_CONFIG = """version: v1
 sharing:
-  timeSlicing:
+  {strategy}:
     resources:
     - name: nvidia.com/gpu
-      replicas: {REPLICAS}
+      replicas: {replicas}
 """
+STAND_IN = str(Path(__file__).resolve().parent.parent / "agent" / "sim" / "bin" /
+               "nvidia-cuda-mps-control")
 
 
 class _Agent:
@@ -42,14 +50,15 @@ class _Agent:
         kdir, _, env = sim_node_env(self.work)
         self.kubelet = SimKubelet(kdir)
         self.kubelet.start()
-        client = SimKubeletClient(kdir)
+        self.client = client = SimKubeletClient(kdir)
         after = client.state().last_event_seq
-        args = []
+        self.mps_root = os.path.join(self.work, "mps")
+        args = ["--mps-root", self.mps_root, "--mps-control", STAND_IN]
         if config is not None:
             path = os.path.join(self.work, "config.yaml")
             with open(path, "w") as f:
                 f.write(config)
-            args = ["--config", path]
+            args += ["--config", path]
         self.run = _Run(self.work, kdir, env, *args)
         _next(client, Kind.SNAPSHOT, after, "first device list")
         res = client.state().resource("nvidia.com/gpu")
@@ -67,53 +76,107 @@ class _Agent:
             self.run.stop()
         finally:
             self.kubelet.stop()
+            for name in os.listdir(self.mps_root) if os.path.isdir(self.mps_root) else ():
+                pid = _daemon_pid(self.mps_root, name)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _daemon_pid(root: str, uuid: str) -> int | None:
+    try:
+        return int(Path(mps_pipe_dir(root, uuid), "nvidia-cuda-mps-control.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _unhealthy(event) -> int:
+    return sum(d.health != "Healthy" for d in event.snapshot.devices)
+
+
+def _daemon_kills(agent: _Agent) -> tuple[list[float], list[float]]:
+    """Seconds from SIGKILL of GPU 0's daemon to kubelet's snapshot withdrawing its replicas,
+    and to the snapshot returning them (a new daemon running with its limits)."""
+    uuid = min(os.listdir(agent.mps_root), key=lambda n: n == "shm")
+    down, back = [], []
+    for _ in range(KILLS):
+        pid = _daemon_pid(agent.mps_root, uuid)
+        after = agent.client.state().last_event_seq
+        t0 = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        gone = agent.client.wait_for_event(
+            lambda e: e.kind == Kind.SNAPSHOT and _unhealthy(e) == REPLICAS, after, 30,
+            "the replicas withdrawn")
+        down.append(time.perf_counter() - t0)
+        agent.client.wait_for_event(lambda e: e.kind == Kind.SNAPSHOT and _unhealthy(e) == 0,
+                                    gone.seq, 30, "the replicas back")
+        back.append(time.perf_counter() - t0)
+    return down, back
 
 
 def run() -> Section:
     work = tempfile.mkdtemp(prefix="gabs", dir="/var/tmp")
     section = Section(
-        title="Sharing: Allocate of a time-sliced replica against a full GPU",
+        title="Sharing: Allocate of a replica against a full GPU; an MPS daemon's restart",
         method=(
-            "Two `gpu-agent run` processes (default settings, INFO logging to a file, state on "
-            "/var/tmp) on two simulated dgx1-v100 nodes, each with its own simulated kubelet: "
-            f"one advertising the 8 GPUs whole, one with `sharing.timeSlicing` ({REPLICAS} "
-            f"replicas of each GPU). A 1-device request (one GPU; one replica) to each from 1 "
-            f"blocking caller: {BLOCKS} alternating blocks of {BLOCK} calls per agent, after "
-            "100 warm-up calls each."),
+            "Three `gpu-agent run` processes (default settings, INFO logging to a file, state "
+            "on /var/tmp) on three simulated dgx1-v100 nodes, each with its own simulated "
+            f"kubelet: the 8 GPUs whole, `sharing.timeSlicing` and `sharing.mps` ({REPLICAS} "
+            "replicas of each GPU; MPS with the simulated nvidia-cuda-mps-control). A 1-device "
+            f"request (one GPU; one replica) to each from 1 blocking caller: {BLOCKS} "
+            f"alternating blocks of {BLOCK} calls per agent, after 100 warm-up calls each. "
+            f"Then GPU 0's MPS control daemon killed (SIGKILL) {KILLS} times: from the kill to "
+            "kubelet's snapshot with its replicas Unhealthy, and to the one with them back."),
         header=["measure", "median", "p99", "target", "met"],
     )
-    full = shared = None
+    agents: dict[str, _Agent] = {}
     try:
-        full, shared = _Agent(work, None), _Agent(work, SHARED_CONFIG)
-        for a in (full, shared):
+        for name, config in (("full", None),
+                             ("time-sliced", SHARED_CONFIG.format(strategy="timeSlicing",
+                                                                  replicas=REPLICAS)),
+                             ("MPS", SHARED_CONFIG.format(strategy="mps", replicas=REPLICAS))):
+            agents[name] = _Agent(work, config)
+        for a in agents.values():
             allocate_timed(a.stub, a.request, 100)
-        samples: dict[str, list[float]] = {"full": [], "shared": []}
+        samples: dict[str, list[float]] = {name: [] for name in agents}
         for _ in range(BLOCKS):
-            samples["full"] += allocate_timed(full.stub, full.request, BLOCK)
-            samples["shared"] += allocate_timed(shared.stub, shared.request, BLOCK)
-        devices = (full.devices, shared.devices)
+            for name, a in agents.items():
+                samples[name] += allocate_timed(a.stub, a.request, BLOCK)
+        devices = {name: a.devices for name, a in agents.items()}
+        down, back = _daemon_kills(agents["MPS"])
     finally:
-        for a in (full, shared):
-            if a is not None:
-                a.stop()
+        for a in agents.values():
+            a.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     def ms(s: float) -> str:
         return f"{s * 1e3:.3f} ms"
 
-    f, s = samples["full"], samples["shared"]
-    section.rows.append([f"Allocate, full GPU ({devices[0]} devices advertised)",
+    f = samples["full"]
+    section.rows.append([f"Allocate, full GPU ({devices['full']} devices advertised)",
                          ms(statistics.median(f)), ms(percentile(f, 99)), "", ""])
-    section.rows.append([f"Allocate, one replica ({devices[1]} devices advertised)",
-                         ms(statistics.median(s)), ms(percentile(s, 99)), "", ""])
-    p50 = statistics.median(s) / statistics.median(f)
-    p99 = percentile(s, 99) / percentile(f, 99)
-    section.rows.append(["**replica / full GPU**", f"{p50:.2f}×", f"{p99:.2f}×", "p99 ≤ 1.1×",
-                         "yes" if p99 <= 1.1 else "**no**"])
-    section.notes.append(
+    for name in ("time-sliced", "MPS"):
+        s = samples[name]
+        section.rows.append([f"Allocate, one {name} replica ({devices[name]} devices "
+                             "advertised)", ms(statistics.median(s)), ms(percentile(s, 99)),
+                             "", ""])
+        p50 = statistics.median(s) / statistics.median(f)
+        p99 = percentile(s, 99) / percentile(f, 99)
+        section.rows.append([f"**{name} replica / full GPU**", f"{p50:.2f}×", f"{p99:.2f}×",
+                             "p99 ≤ 1.1×", "yes" if p99 <= 1.1 else "**no**"])
+    section.rows.append(["MPS daemon killed → its replicas withdrawn (kubelet's snapshot)",
+                         ms(statistics.median(down)), ms(percentile(down, 99)), "", ""])
+    section.rows.append(["MPS daemon killed → restarted, limits sent, replicas back",
+                         ms(statistics.median(back)), ms(percentile(back, 99)), "", ""])
+    section.notes += [
         "A replica's Allocate is a full GPU's with one more step on the first call of a device "
-        "list: the replica mapped to its GPU (agent.rm.allocate); the answer is then cached "
-        "per requested list like any other.")
+        "list: the replica mapped to its GPU, and for MPS its pipe directory, /dev/shm and "
+        "k/N limits (agent.rm.allocate); the answer is then cached per requested list like "
+        "any other.",
+        "The daemon's exit is seen through a pidfd (agent.mps.daemons), the replicas withdrawn "
+        "through the health monitor, and the restart is `nvidia-cuda-mps-control -d` (here "
+        "the simulated one, a Python script: most of the time back is its start) and two "
+        "control commands for the limits.",
+    ]
     if QUICK:
         section.notes.append("BENCH_QUICK=1: a tenth of the calls (a smoke run, not figures).")
     return section
