@@ -178,7 +178,7 @@ def test_a_killed_daemon_is_restarted_and_its_replicas_withdrawn_meanwhile(mps):
     assert "restarted 1 times" in out
 
 
-def test_agent_kill_9_keeps_the_daemons_and_the_next_agent_adopts_them(mps):
+def test_agent_kill_9_and_sighup_keep_the_daemons_and_the_next_agent_adopts_them(mps):
     config = _config(mps.node, SHARED_01)
     agent = mps.agent(config)
     agent.wait_registered()
@@ -190,6 +190,11 @@ def test_agent_kill_9_keeps_the_daemons_and_the_next_agent_adopts_them(mps):
     agent.wait_log("MPS control daemon adopted (started by an earlier agent)")
     assert [_pid(mps.root, u) for u in UUIDS[:2]] == pids
     assert all(_control_log(mps.root, u).count("Startup") == 1 for u in UUIDS[:2])
+    # a SIGHUP that keeps the sharing keeps the daemons too (and sends their limits again)
+    agent.send(signal.SIGHUP)
+    agent.wait_log("configuration reloaded (reload 1)")
+    assert [_pid(mps.root, u) for u in UUIDS[:2]] == pids
+    assert _control_log(mps.root, UUIDS[0]).count("set_default_active_thread_percentage 25") == 3
 
 
 def test_sighup_turning_sharing_off_tells_the_daemons_to_quit(mps):
