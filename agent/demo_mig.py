@@ -7,13 +7,10 @@ simulated kubelet and `gpu-agent sim mig` as an operator would, and prints what 
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from agent.demo_node import StepNode
 
 PROFILE = "a100-mig"
 
@@ -26,30 +23,12 @@ def _counts(state) -> dict[str, int]:
 def run_mig_step(work: Path, lib: str, step: str, table, say, wait_state) -> int:
     """Print the step; 0 when every stage happened as shown."""
     from agent.sim import mig as sim_mig
-    from agent.sim.kubelet import SimKubelet, SimKubeletClient
 
-    root = work / "mig"
-    kdir, ctl = root / "device-plugins", root / "simctl"
-    kdir.mkdir(parents=True)
-    ctl.mkdir()
-    env = {**os.environ, "GPU_AGENT_SIM_PROFILE": PROFILE, "GPU_AGENT_SIM_CONTROL": str(ctl)}
-    args = ["run", "--kubelet-socket", str(kdir / "kubelet.sock"), "--pod-resources-socket",
-            "", "--nvml-library", lib, "--state-dir", str(root / "state"),
-            "--mig-strategy", "mixed", "--mig-check-interval", "1s",
-            "--metrics-address", "", "--nfd-features-file", ""]
     say(f"{step}. MIG: node '{PROFILE}' under migStrategy mixed, reconfigured while it runs",
         "  gpu-agent run --mig-strategy mixed --mig-check-interval 1s ...")
-    quiet = logging.getLogger("agent.sim")  # this step's kubelet runs in the demo's process
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    kubelet = SimKubelet(str(kdir))
-    kubelet.start()
-    client = SimKubeletClient(str(kdir))
-    log = root / "agent.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen([sys.executable, "-m", "agent", *args], env=env, stdout=out,
-                                 stderr=subprocess.STDOUT)
-    try:
+    with StepNode(work / "mig", PROFILE, lib, "--mig-strategy", "mixed",
+                  "--mig-check-interval", "1s") as node:
+        client, agent, log, ctl = node.client, node.agent, node.log, node.ctl
         state = wait_state(client, lambda s: len(_counts(s)) >= 6, agent, log,
                            "the MIG resources")
         before = _counts(state)
@@ -73,14 +52,4 @@ def run_mig_step(work: Path, lib: str, step: str, table, say, wait_state) -> int
         kept = state.resource("nvidia.com/gpu")
         print(f"  nvidia.com/gpu kept its registration ({kept.registrations}) and its "
               f"{len(kept.devices)} devices throughout (docs/mig.md)")
-        agent.send_signal(signal.SIGTERM)
-        code = agent.wait(10)
-        agent = None
-        return code
-    finally:
-        if agent is not None:
-            agent.kill()
-            agent.wait()
-        client.close()
-        kubelet.stop()
-        quiet.setLevel(level)
+        return node.stop()

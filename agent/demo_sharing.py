@@ -8,12 +8,9 @@ show.
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
+
+from agent.demo_node import StepNode
 
 CONFIG = """\
 version: v1
@@ -32,32 +29,17 @@ def run_sharing_step(work: Path, lib: str, profile: str, step: str, table, say,
                      wait_state) -> int:
     """Print the step; 0 when every stage happened as shown."""
     from agent.sim import control
-    from agent.sim.kubelet import PodRejected, SimKubelet, SimKubeletClient
+    from agent.sim.kubelet import PodRejected
 
     root = work / "sharing"
-    kdir, ctl = root / "device-plugins", root / "simctl"
-    kdir.mkdir(parents=True)
-    ctl.mkdir()
+    root.mkdir()
     config = root / "config.yaml"
     config.write_text(CONFIG)
-    env = {**os.environ, "GPU_AGENT_SIM_PROFILE": profile, "GPU_AGENT_SIM_CONTROL": str(ctl)}
-    args = ["run", "--config", str(config), "--kubelet-socket", str(kdir / "kubelet.sock"),
-            "--pod-resources-socket", "", "--nvml-library", lib, "--state-dir",
-            str(root / "state"), "--metrics-address", "", "--nfd-features-file", "",
-            "--recovery-quiet-period", "1s"]
     say(f"{step}. Sharing: time-slicing with NVIDIA's config, 4 replicas of each GPU "
         "(docs/sharing.md)", "  " + CONFIG.replace("\n", "\n  ").rstrip())
-    quiet = logging.getLogger("agent.sim")  # this step's kubelet runs in the demo's process
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    kubelet = SimKubelet(str(kdir))
-    kubelet.start()
-    client = SimKubeletClient(str(kdir))
-    log = root / "agent.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen([sys.executable, "-m", "agent", *args], env=env, stdout=out,
-                                 stderr=subprocess.STDOUT)
-    try:
+    with StepNode(root, profile, lib, "--config", str(config),
+                  "--recovery-quiet-period", "1s") as node:
+        client, agent, log, ctl = node.client, node.agent, node.log, node.ctl
         state = wait_state(client, lambda s: (r := s.resource(SHARED)) is not None
                            and r.connected and r.devices, agent, log, "the shared resource")
         res = state.resource(SHARED)
@@ -89,17 +71,8 @@ def run_sharing_step(work: Path, lib: str, profile: str, step: str, table, say,
         res = state.resource(SHARED)
         print(f"  XID 48 on GPU {gpu}: its 4 replicas withdrawn, allocatable "
               f"{res.allocatable}/{res.capacity}")
-        agent.send_signal(signal.SIGTERM)
-        code = agent.wait(10)
-        agent = None
+        code = node.stop()
         return 0 if code == 0 and refused and len(gpus) == 3 else 1
-    finally:
-        if agent is not None:
-            agent.kill()
-            agent.wait()
-        client.close()
-        kubelet.stop()
-        quiet.setLevel(level)
 
 
 def _gpu_index(profile: str, uuid: str) -> int:
