@@ -34,6 +34,7 @@ from agent.rm.sharing import mps_log_dir, mps_pipe_dir
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent
 from tests.daemon_harness import GPU, Node, clean_env
+from tests.test_metrics import metrics_port, samples
 from tests.test_mig import _variant
 
 STAND_IN = str(Path(__file__).resolve().parent.parent / "agent" / "sim" / "bin" /
@@ -176,6 +177,9 @@ def test_a_killed_daemon_is_restarted_and_its_replicas_withdrawn_meanwhile(mps):
         _control_log(mps.root, UUIDS[0]).split(f"Startup (pid {_pid(mps.root, UUIDS[0])}")[1]
     out = run_gpu_agent("status", "--state-dir", mps.node.state, env=clean_env()).stdout
     assert "restarted 1 times" in out
+    port = metrics_port(mps.node)  # and Prometheus sees it
+    assert samples(port, "gpu_agent_mps_daemon_restarts_total", gpu="0")[0][1] == 1.0
+    assert [v for _, v in samples(port, "gpu_agent_mps_daemon_up")] == [1.0, 1.0]
 
 
 def test_agent_kill_9_and_sighup_keep_the_daemons_and_the_next_agent_adopts_them(mps):
@@ -233,6 +237,9 @@ def test_a_control_program_that_is_not_there_withdraws_the_replicas_and_says_why
         out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
         assert f"GPU 0 {UUIDS[0]}: MPS control daemon not running: could not start the MPS " \
             f"control daemon of {UUIDS[0]}: " in out
+        withdrawn = samples(metrics_port(node), "gpu_agent_device_healthy", reason="mps")
+        assert sorted(lab["device"] for lab, v in withdrawn if v == 0.0) == sorted(
+            f"{u}::{n}" for u in UUIDS[:2] for n in range(4))
         assert agent.alive()  # and the whole GPUs are served
         assert agent.allocate([UUIDS[4]]).container_responses[0].envs[
             "NVIDIA_VISIBLE_DEVICES"] == UUIDS[4]

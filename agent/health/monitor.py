@@ -102,7 +102,8 @@ class HealthMonitor:
     before it returns (so the first ListAndWatch snapshot already has them), then runs.
     `recovery_probe` replaces agent.nvml.probe.recovery_probe (tests hold a probe in flight
     with it). `outages()` names devices withdrawn for a reason outside NVML (device ID ->
-    reason: agent.mps's daemons that are down); `outages_changed()` applies a change of it."""
+    (class, reason): agent.mps's daemons that are down, class "mps"); `outages_changed()`
+    applies a change of it."""
 
     def __init__(self, *, library_path: str, gpus: Sequence[Any], devices: Sequence[Any],
                  policy: XidPolicy, sink: Sink, state_dir: str | None = None,
@@ -110,7 +111,7 @@ class HealthMonitor:
                  events_module: Any = None, on_change: Callable[[], None] | None = None,
                  current: Mapping[str, tuple[bool, str]] | None = None,
                  recovery_probe: Probe | None = None,
-                 outages: Callable[[], Mapping[str, str]] = dict):
+                 outages: Callable[[], Mapping[str, tuple[str, str]]] = dict):
         self.library_path = library_path
         self.outages = outages
         self.policy = policy
@@ -135,7 +136,7 @@ class HealthMonitor:
         # lost: the event loop (which owns the set) registers them, then clears their faults.
         self._reregister: dict[str, int] = {}
         self._isolation = Isolation()
-        self._outages: dict[str, str] = dict(outages())
+        self._outages: dict[str, tuple[str, str]] = dict(outages())
         self._isolation_error = ""
         self._isolation_unknown: list[str] = []
         # What the devices' holders show now (a monitor replacing another on a reload): only
@@ -645,14 +646,14 @@ class HealthMonitor:
             reasons.append(f"isolated by {self.isolation_file}")
         outage = self._outages.get(device.id)
         if outage:
-            reasons.append(outage)
+            reasons.append(outage[1])
         return (not reasons, "; ".join(reasons))
 
     def outages_changed(self) -> None:
         """From any thread: `outages()` changed; withdraw or return those devices."""
         with self._lock:
             old, self._outages = self._outages, dict(self.outages())
-            ended = sorted({r for i, r in old.items() if i not in self._outages})
+            ended = sorted({r for i, (_, r) in old.items() if i not in self._outages})
             self._apply(f"no longer {'; '.join(ended)}" if ended else "")
 
     def _apply(self, why_healthy: str) -> None:
@@ -714,9 +715,11 @@ class HealthMonitor:
 
     def withdrawn(self) -> dict[str, str]:
         """device id -> why it is Unhealthy, as a class: its fault's kind (xid, ecc, lost,
-        hung, register, wait) or `isolated` (the isolation file)."""
+        hung, register, wait), `isolated` (the isolation file) or its outage's class (`mps`)."""
         with self._lock:
-            return {i: (self._faults[i].kind if i in self._faults else "isolated")
+            return {i: (self._faults[i].kind if i in self._faults else
+                        self._outages[i][0] if i in self._outages and
+                        not self._isolation.names(self.devices[i]) else "isolated")
                     for i, (healthy, _) in self._applied.items() if not healthy}
 
     def unhealthy(self) -> dict[str, str]:
@@ -807,7 +810,8 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         devices: Sequence[Any], sink: Sink,
                         on_change: Callable[[], None] | None = None,
                         current: Mapping[str, tuple[bool, str]] | None = None,
-                        outages: Callable[[], Mapping[str, str]] = dict) -> HealthMonitor:
+                        outages: Callable[[], Mapping[str, tuple[str, str]]] = dict
+                        ) -> HealthMonitor:
     """A monitor set up from the agent's Config (agent.health options)."""
     policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions,
                              table=cfg.xid_policy)

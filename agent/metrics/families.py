@@ -56,7 +56,7 @@ def collect(x: Any) -> Iterator[Any]:
     withdrawn = d.health.withdrawn() if d.health is not None else {}
     health = GaugeMetricFamily(f"{NS}_device_healthy", "1 if the device is advertised "
                                "Healthy; reason: why it is withdrawn (xid, ecc, lost, "
-                               "hung, register, wait, isolated, unsupported)",
+                               "hung, register, wait, isolated, mps, unsupported)",
                                labels=DEVICE_LABELS + ("reason",))
     allocated = GaugeMetricFamily(f"{NS}_device_allocated", "1 per container the device "
                                   "is allocated to (namespace, pod, container); 0 with "
@@ -76,6 +76,7 @@ def collect(x: Any) -> Iterator[Any]:
                 allocated.add_metric(labels + list(pod), 1.0 if pods else 0.0)
     yield health
     yield allocated
+    yield from _mps(d.mps.status()["daemons"])
     yield from _xids(d.health)
     yield from _telemetry(x, gpus)
 
@@ -120,6 +121,23 @@ def _agent(x: Any) -> Iterator[Any]:
     for outcome, n in (d.health.counters.items() if d.health is not None else ()):
         events.add_metric([outcome], n)
     yield events
+
+def _mps(daemons: list) -> Iterator[Any]:
+    """sharing.mps: each shared GPU's control daemon (agent.mps.daemons)."""
+    if not daemons:
+        return
+    up = GaugeMetricFamily(f"{NS}_mps_daemon_up", "1 if the GPU's MPS control daemon runs "
+                           "with its limits (its replicas are withdrawn while 0)",
+                           labels=GPU_LABELS)
+    restarts = CounterMetricFamily(f"{NS}_mps_daemon_restarts", "Times the GPU's MPS control "
+                                   "daemon exited and was started again", labels=GPU_LABELS)
+    for m in daemons:
+        labels = [str(m["gpuIndex"]), m["gpuUuid"]]
+        up.add_metric(labels, 1.0 if m["running"] else 0.0)
+        restarts.add_metric(labels, m["restarts"])
+    yield up
+    yield restarts
+
 
 def _xids(health: Any) -> Iterator[Any]:
     xids = CounterMetricFamily(f"{NS}_gpu_xid_events", "XID events delivered to the health "

@@ -73,11 +73,11 @@ class MpsDaemons:
             self._thread.start()
         self._poke()
 
-    def outages(self) -> dict[str, str]:
-        """Advertised device ID -> why it is withdrawn, for the replicas of GPUs whose daemon
-        is down."""
+    def outages(self) -> dict[str, tuple[str, str]]:
+        """Advertised device ID -> ("mps", why it is withdrawn), for the replicas of GPUs
+        whose daemon is down."""
         with self._lock:
-            return {i: reason for uuid, reason in self._down.items()
+            return {i: ("mps", reason) for uuid, reason in self._down.items()
                     for i in self._plan[uuid].device_ids}
 
     def stop(self) -> None:
