@@ -37,7 +37,9 @@ GPU = "nvidia.com/gpu"
 SOCKET = "gpu-agent-gpu.sock"
 LIB = str(lib_path())
 _OPTION_ENV = {opt.env for opt in OPTIONS}
-_SYSTEMD_ENV = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"}
+# INVOCATION_ID: a test run from a systemd service must not make the agent start MPS daemons
+# with systemd-run (agent.mps.control.launcher)
+_SYSTEMD_ENV = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "INVOCATION_ID"}
 
 
 def clean_env(**extra: str) -> dict:

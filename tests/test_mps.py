@@ -266,8 +266,8 @@ def test_under_systemd_the_daemon_is_a_transient_unit_with_the_shared_dev_shm():
     a unit of its own outside the agent's sandbox, forking like `-d`, found by its PID file,
     with <root>/shm as its /dev/shm."""
     uuid = UUIDS[3]
-    assert launcher({"INVOCATION_ID": "x"}) == ("systemd-run" if shutil.which("systemd-run")
-                                                  else launcher({}))
+    booted = os.path.isdir("/run/systemd/system") and shutil.which("systemd-run")
+    assert launcher({"INVOCATION_ID": "x"}) == ("systemd-run" if booted else launcher({}))
     argv = Control("/usr/bin/nvidia-cuda-mps-control", "/run/nvidia/mps",
                    "systemd-run").start_command(uuid)
     assert argv[:2] == ["systemd-run", f"--unit=gpu-agent-mps-{uuid}"]
@@ -310,3 +310,32 @@ def test_more_replicas_than_the_mps_server_takes_clients_is_refused_naming_the_e
         assert "sharing.mps.resources[0].replicas: invalid MPS configuration: invalid device " \
             "maximum allowed replicas exceeded: 20 > 16 (GPU 0, compute capability 7.0)" in agent.log
         assert not os.path.exists(node.path("mps"))
+
+
+def test_a_reload_to_another_mps_root_moves_the_daemons(mps):
+    first, second = mps.node.path("mps-a"), mps.node.path("mps-b")
+
+    def config(root: str) -> str:
+        return mps.node.write("config.yaml", f"version: v1\nflags:\n  mpsRoot: {root}\n"
+                                             f"sharing:\n  mps:\n    resources:\n"
+                                             f"    - name: nvidia.com/gpu\n      replicas: 2\n"
+                                             f"      devices: [3]\n")
+    agent = mps.node.agent("--config", config(first), "--mps-control", STAND_IN)
+    try:
+        agent.wait_registered()
+        old = _pid(first, UUIDS[3])
+        assert _alive(old)
+        config(second)
+        agent.send(signal.SIGHUP)
+        agent.wait_for(lambda s: _alive(_pid(second, UUIDS[3])) and not _alive(old),
+                       "the daemon under the new root only")
+        assert "Command: quit -> ok" in _control_log(first, UUIDS[3])
+        got = agent.allocate([f"{UUIDS[3]}::1"]).container_responses[0]
+        assert (got.mounts[0].container_path, got.mounts[0].host_path) == (
+            "/mps/nvidia.com/gpu/pipe", mps_pipe_dir(second, UUIDS[3]))
+    finally:
+        agent.kill()
+        for root in (first, second):
+            pid = _pid(root, UUIDS[3])
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -38,9 +38,11 @@ UNIT_PREFIX = "gpu-agent-mps-"  # systemd-run's unit: gpu-agent-mps-<GPU UUID>.s
 
 
 def launcher(environ: Mapping[str, str]) -> str:
-    """"systemd-run" when the agent runs as a systemd service and systemd-run is there, else
-    "unshare" as root where unshare is there, else "direct"."""
-    if environ.get("INVOCATION_ID") and shutil.which("systemd-run"):
+    """"systemd-run" when the agent runs as a systemd service (systemd booted the host, sd_booted:
+    /run/systemd/system) and systemd-run is there, else "unshare" as root where unshare is
+    there, else "direct"."""
+    if environ.get("INVOCATION_ID") and os.path.isdir("/run/systemd/system") and \
+            shutil.which("systemd-run"):
         return "systemd-run"
     if os.geteuid() == 0 and shutil.which("unshare"):
         return "unshare"
@@ -80,8 +82,17 @@ class Control:
                      mps_shm_dir(self.root)):
             os.makedirs(path, mode=0o755, exist_ok=True)
         env = {**self.env(gpu_uuid), "CUDA_VISIBLE_DEVICES": gpu_uuid}
-        self._run(self.start_command(gpu_uuid), env, "", f"start the MPS control daemon of "
-                                                         f"{gpu_uuid}")
+        what = f"start the MPS control daemon of {gpu_uuid}"
+        try:
+            self._run(self.start_command(gpu_uuid), env, "", what)
+        except MpsError as exc:
+            if self.how != "unshare" or self.pid(gpu_uuid) is not None:
+                raise
+            # a root without CAP_SYS_ADMIN (a container): no mount namespace of its own
+            log.warning("%s; starting MPS control daemons directly from now on: their "
+                        "/dev/shm is the host's, not %s", exc, mps_shm_dir(self.root))
+            self.how = "direct"
+            self._run(self.start_command(gpu_uuid), env, "", what)
         pid = self.pid(gpu_uuid)
         if pid is None:
             raise MpsError(f"the MPS control daemon of {gpu_uuid} started but wrote no PID to "

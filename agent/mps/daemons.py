@@ -52,17 +52,24 @@ class MpsDaemons:
         """Make the running daemons those of `plan` (UUID -> MpsGpu): quit the others, adopt
         or start each planned one and send its limits. A daemon that cannot be started is
         down (its replicas withdrawn) and tried again later."""
-        control = Control(program, root, launcher(environ))
         with self._lock:
-            old, self._plan, self._control = self._plan, dict(plan), control
+            old, self._plan, old_control = self._plan, dict(plan), self._control
+            same = old_control is not None and (old_control.program, old_control.root) == (
+                program, root)  # kept: it knows when unshare had to give way (control.py)
+            control = self._control = old_control if same else Control(program, root,
+                                                                        launcher(environ))
+            moved = old_control is not None and old_control.root != control.root
             for uuid in list(self._pids):
-                if uuid not in plan:
+                if uuid not in plan or moved:
                     del self._pids[uuid]
             for uuid in list(self._down):
                 if uuid not in plan:
                     del self._down[uuid]
                     self._retry.pop(uuid, None)
-        for uuid in sorted(set(old) | set(control.running())):
+        if moved:  # another flags.mpsRoot: the daemons under the old one go
+            for uuid in sorted(old):
+                self._quit(old_control, uuid)
+        for uuid in sorted(set(control.running()) | (set() if moved else set(old))):
             if uuid not in plan:
                 self._quit(control, uuid)
         for uuid in plan:
