@@ -41,7 +41,9 @@ class MpsDaemons:
         self._down: dict[str, str] = {}  # GPU UUID -> why its replicas are withdrawn
         self._retry: dict[str, tuple[float, float]] = {}  # UUID -> (when, next backoff)
         self._restarts: dict[str, int] = {}
+        self._starting = threading.Lock()  # one start or adoption at a time (loop, watch)
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -115,6 +117,10 @@ class MpsDaemons:
     def _ensure(self, uuid: str, adopt: bool) -> bool:
         """Adopt the GPU's running daemon or start one, then send its limits; True when it
         runs with them. On failure the GPU is down and a retry is due."""
+        with self._starting:
+            return self._ensure_one(uuid, adopt)
+
+    def _ensure_one(self, uuid: str, adopt: bool) -> bool:
         with self._lock:
             control, gpu = self._control, self._plan.get(uuid)
         if control is None or gpu is None:
@@ -175,7 +181,10 @@ class MpsDaemons:
     # -- the watch thread ------------------------------------------------------------------
 
     def _poke(self) -> None:
-        os.write(self._wake_w, b"x")
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the watch has wake-ups pending already
 
     def _watch(self) -> None:
         fds: dict[tuple[str, int], int] = {}  # (uuid, pid) -> pidfd
