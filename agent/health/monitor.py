@@ -717,10 +717,15 @@ class HealthMonitor:
         """device id -> why it is Unhealthy, as a class: its fault's kind (xid, ecc, lost,
         hung, register, wait), `isolated` (the isolation file) or its outage's class (`mps`)."""
         with self._lock:
-            return {i: (self._faults[i].kind if i in self._faults else
-                        self._outages[i][0] if i in self._outages and
-                        not self._isolation.names(self.devices[i]) else "isolated")
+            return {i: self._withdrawn_class(i)
                     for i, (healthy, _) in self._applied.items() if not healthy}
+
+    def _withdrawn_class(self, device_id: str) -> str:
+        if device_id in self._faults:
+            return self._faults[device_id].kind
+        if device_id in self._outages and not self._isolation.names(self.devices[device_id]):
+            return self._outages[device_id][0]
+        return "isolated"
 
     def unhealthy(self) -> dict[str, str]:
         """device id -> reason, for every Unhealthy device."""

@@ -85,8 +85,8 @@ class _Gpus:
 
 def _device_text(d) -> str:
     if d.replica_of:
-        return f"{d.id} (replica of {'GPU' if d.gi is None else 'MIG'} {d.index}" \
-               f"{'' if d.gi is None else f' on GPU {d.gpu_index}'} {d.gpu_uuid})"
+        shared = f"GPU {d.index}" if d.gi is None else f"MIG {d.index} on GPU {d.gpu_index}"
+        return f"{d.id} (replica of {shared} {d.gpu_uuid})"
     if d.gi is None:
         return f"{d.gpu_uuid} (GPU {d.gpu_index})"
     return f"{d.id} (MIG {d.index} on GPU {d.gpu_index} {d.gpu_uuid})"

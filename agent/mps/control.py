@@ -60,9 +60,13 @@ class Control:
                 "CUDA_MPS_LOG_DIRECTORY": mps_log_dir(self.root, gpu_uuid),
                 "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
 
+    def daemon_env(self, gpu_uuid: str) -> dict[str, str]:
+        """The control daemon's environment: the client's, and only its GPU visible."""
+        return {**self.env(gpu_uuid), "CUDA_VISIBLE_DEVICES": gpu_uuid}
+
     def start_command(self, gpu_uuid: str) -> list[str]:
         """The command that starts the GPU's control daemon in the background."""
-        env = {**self.env(gpu_uuid), "CUDA_VISIBLE_DEVICES": gpu_uuid}
+        env = self.daemon_env(gpu_uuid)
         shm = mps_shm_dir(self.root)
         if self.how == "systemd-run":
             return ["systemd-run", f"--unit={UNIT_PREFIX}{gpu_uuid}", "--collect", "--quiet",
@@ -81,7 +85,7 @@ class Control:
         for path in (mps_pipe_dir(self.root, gpu_uuid), mps_log_dir(self.root, gpu_uuid),
                      mps_shm_dir(self.root)):
             os.makedirs(path, mode=0o755, exist_ok=True)
-        env = {**self.env(gpu_uuid), "CUDA_VISIBLE_DEVICES": gpu_uuid}
+        env = self.daemon_env(gpu_uuid)
         what = f"start the MPS control daemon of {gpu_uuid}"
         try:
             self._run(self.start_command(gpu_uuid), env, "", what)

@@ -28,7 +28,7 @@ from agent.constants import (
 )
 from agent.errors import RequestError
 from agent.rm.devices import Device
-from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
+from agent.rm.sharing import MIB, mps_pipe_dir, mps_shm_dir
 
 DEVICE_LIST_ENVVAR = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
@@ -150,7 +150,7 @@ def _mps(response: ContainerResponse, devices: Sequence[Device], opts: ResponseO
     response.envs["CUDA_MPS_PIPE_DIRECTORY"] = pipe
     response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 * k // d.replicas)
     response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = \
-        f"0={d.memory * k // d.replicas >> 20}MB"  # the container sees its GPU as device 0
+        f"0={d.memory * k // d.replicas // MIB}MB"  # the container sees its GPU as device 0
     response.mounts = [*response.mounts,
                        Mount(pipe, mps_pipe_dir(opts.mps_root, d.gpu_uuid)),
                        Mount("/dev/shm", mps_shm_dir(opts.mps_root))]

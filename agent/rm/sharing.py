@@ -49,7 +49,6 @@ class MpsGpu(NamedTuple):
     uuid: str
     index: int
     replicas: int
-    memory: int  # bytes
     device_ids: tuple[str, ...]
     thread_percentage: int  # set_default_active_thread_percentage
     memory_limit_mib: int  # set_default_device_pinned_mem_limit 0 <n>M
@@ -186,7 +185,7 @@ def mps_plan(device_map: Mapping[str, Sequence[Device]],
             ids.setdefault(d.gpu_uuid, []).append(d.id)
             if d.gpu_uuid not in out:
                 share = 1 if fail_requests_greater_than_one else d.replicas
-                out[d.gpu_uuid] = MpsGpu(d.gpu_uuid, d.gpu_index, d.replicas, d.memory, (),
+                out[d.gpu_uuid] = MpsGpu(d.gpu_uuid, d.gpu_index, d.replicas, (),
                                          100 * share // d.replicas,
                                          d.memory * share // d.replicas // MIB)
     return {u: g._replace(device_ids=tuple(ids[u])) for u, g in sorted(
