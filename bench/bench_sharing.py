@@ -4,7 +4,7 @@ interleaved in the same run, and an MPS control daemon's death to its replicas' 
 Owns: three `gpu-agent run` processes on three simulated dgx1-v100 nodes (each with its own
 simulated kubelet): the 8 GPUs whole, `sharing.timeSlicing` and `sharing.mps` (4 replicas of
 each GPU; MPS through the simulated nvidia-cuda-mps-control); a 1-device request to each, from
-1 blocking caller, in alternating blocks; then the MPS agent's daemon of GPU 0 killed
+1 blocking caller, in alternating blocks; then one GPU's MPS control daemon killed
 repeatedly. Figures only; the tests assert behaviour, never time.
 """
 
@@ -22,7 +22,7 @@ import grpc
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from agent.rm.sharing import mps_pipe_dir
+from agent.mps.control import Control
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from bench import Section, allocate_timed, percentile, sim_node_env
 from bench.bench_plugin import Kind, _next, _Run
@@ -55,6 +55,7 @@ class _Agent:
         self.client = client = SimKubeletClient(kdir)
         after = client.state().last_event_seq
         self.mps_root = os.path.join(self.work, "mps")
+        self.mps = Control(STAND_IN, self.mps_root)  # to find its daemons, as the agent does
         args = ["--mps-root", self.mps_root, "--mps-control", STAND_IN]
         if config is not None:
             path = os.path.join(self.work, "config.yaml")
@@ -78,17 +79,8 @@ class _Agent:
             self.run.stop()
         finally:
             self.kubelet.stop()
-            for name in os.listdir(self.mps_root) if os.path.isdir(self.mps_root) else ():
-                pid = _daemon_pid(self.mps_root, name)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-
-
-def _daemon_pid(root: str, uuid: str) -> int | None:
-    try:
-        return int(Path(mps_pipe_dir(root, uuid), "nvidia-cuda-mps-control.pid").read_text())
-    except (OSError, ValueError):
-        return None
+            for uuid in self.mps.running():
+                os.kill(self.mps.pid(uuid), signal.SIGKILL)
 
 
 def _unhealthy(event) -> int:
@@ -96,12 +88,13 @@ def _unhealthy(event) -> int:
 
 
 def _daemon_kills(agent: _Agent) -> tuple[list[float], list[float]]:
-    """Seconds from SIGKILL of GPU 0's daemon to kubelet's snapshot withdrawing its replicas,
-    and to the snapshot returning them (a new daemon running with its limits)."""
-    uuid = min(os.listdir(agent.mps_root), key=lambda n: n == "shm")
+    """Seconds from SIGKILL of one GPU's daemon (the first by UUID) to kubelet's snapshot
+    withdrawing its replicas, and to the snapshot returning them (a new daemon running with
+    its limits)."""
+    uuid = agent.mps.running()[0]
     down, back = [], []
     for _ in range(KILLS):
-        pid = _daemon_pid(agent.mps_root, uuid)
+        pid = agent.mps.pid(uuid)
         after = agent.client.state().last_event_seq
         t0 = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
@@ -126,7 +119,7 @@ def run() -> Section:
             "replicas of each GPU; MPS with the simulated nvidia-cuda-mps-control). A 1-device "
             f"request (one GPU; one replica) to each from 1 blocking caller: {BLOCKS} "
             f"alternating blocks of {BLOCK} calls per agent, after 100 warm-up calls each. "
-            f"Then GPU 0's MPS control daemon killed (SIGKILL) {KILLS} times: from the kill to "
+            f"Then one GPU's MPS control daemon killed (SIGKILL) {KILLS} times: from the kill to "
             "kubelet's snapshot with its replicas Unhealthy, and to the one with them back."),
         header=["measure", "median", "p99", "target", "met"],
     )
