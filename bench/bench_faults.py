@@ -27,7 +27,7 @@ from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
 from bench import Section
-from tests.daemon_harness import GPU, Node, ReadOnlyMount
+from tests.daemon_harness import GPU, Node, ReadOnlyMount, changed_files, write_files
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 FLAP_RUNS = 3
@@ -293,18 +293,12 @@ def _unknown_files() -> list[str]:
     strangers = {"notes.txt": b"an operator's note\n", "allocations.journal.bak": b"x\n",
                  "health.json.old": b"{}"}
     with Node() as node:
-        os.makedirs(node.state, exist_ok=True)
-        for name, data in strangers.items():
-            with open(os.path.join(node.state, name), "wb") as f:
-                f.write(data)
+        write_files(node.state, strangers)
         agent = node.agent()
         agent.wait_registered()
         agent.allocate([UUIDS[0]])
         agent.stop()
-        kept = 0
-        for name, data in strangers.items():
-            with open(os.path.join(node.state, name), "rb") as f:
-                kept += f.read() == data
+        kept = len(strangers) - len(changed_files(node.state, strangers))
     return ["Unknown files in the state directory",
             f"{kept} of {len(strangers)} left byte for byte after a start, an Allocate and a stop"]
 

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -315,6 +316,30 @@ class ReadOnlyMount:
 
     def __exit__(self, *exc):
         subprocess.run(["umount", self.path], check=True)
+
+
+def write_files(root: str, files: Mapping[str, bytes]) -> None:
+    """Write `files` (path under `root` -> content), making their directories."""
+    for name, data in files.items():
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def changed_files(root: str, files: Mapping[str, bytes]) -> list[str]:
+    """The names of `files` whose content under `root` is no longer what write_files wrote
+    (changed or gone)."""
+    changed = []
+    for name, data in files.items():
+        try:
+            with open(os.path.join(root, name), "rb") as f:
+                same = f.read() == data
+        except FileNotFoundError:
+            same = False
+        if not same:
+            changed.append(name)
+    return changed
 
 
 def first_snapshot(node: Node, resource: str = GPU) -> object:

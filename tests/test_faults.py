@@ -34,7 +34,15 @@ import pytest
 from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
-from tests.daemon_harness import GPU, Node, NotifySocket, ReadOnlyMount, unhealthy
+from tests.daemon_harness import (
+    GPU,
+    Node,
+    NotifySocket,
+    ReadOnlyMount,
+    changed_files,
+    unhealthy,
+    write_files,
+)
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
 
@@ -192,19 +200,14 @@ def test_kubelet_flapping_a_hundred_times_ends_with_one_registration_to_the_last
 
 
 def test_unknown_files_in_the_state_directory_are_left_as_they_are(node):
-    os.makedirs(os.path.join(node.state, "notes.d"))
     strangers = {"notes.txt": b"an operator's note\n", "notes.d/x": b"\x00\xff",
                  "allocations.journal.bak": b"not ours to judge\n"}
-    for name, data in strangers.items():
-        with open(os.path.join(node.state, name), "wb") as f:
-            f.write(data)
+    write_files(node.state, strangers)
     agent = node.agent()
     agent.wait_registered()
     agent.allocate([UUIDS[0]])
     assert agent.stop() == 0
-    for name, data in strangers.items():
-        with open(os.path.join(node.state, name), "rb") as f:
-            assert f.read() == data, name
+    assert changed_files(node.state, strangers) == []
     assert "ERROR" not in agent.log
 
 
