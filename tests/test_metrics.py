@@ -130,6 +130,44 @@ def test_allocate_and_preferred_calls_are_in_the_latency_histograms(running):
     assert writes[0][1] >= 1  # the three answered Allocates were journaled first
 
 
+@pytest.mark.parametrize("accept", [
+    "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",  # Prometheus 2
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",  # Prometheus 3
+    "text/plain;version=0.0.4", ""], ids=["openmetrics", "openmetrics-utf8", "text", "none"])
+def test_the_exposition_is_what_prometheus_client_writes_for_the_same_samples(running, accept):
+    """The endpoint writes its text itself (agent.metrics.render); read back with
+    prometheus_client's parser and written again by prometheus_client, it must not change."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import choose_encoder
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    node, agent, port = running
+    node.client.admit_pod("trainer", {"main": {GPU: 2}}, namespace="ml")
+    uuid = node.client.state().resource(GPU).devices[5].id
+    control.inject_xid(node.ctl, uuid, 79)
+    agent.wait_for(lambda s: not s.resource(GPU).device(uuid).healthy, "GPU 5 unhealthy")
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=WAIT) as r:
+        body, content_type = r.read(), r.headers["Content-Type"]
+    encoder, expected_type = choose_encoder(accept)
+    assert content_type == expected_type
+    parse = openmetrics_families if "openmetrics" in accept else text_string_to_metric_families
+    families = list(parse(body.decode()))
+    assert {"gpu_agent_device_allocated", "gpu_agent_gpu_xid_events",
+            "gpu_agent_rpc_duration_seconds"} <= {f.name for f in families}
+
+    class Parsed:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Parsed())
+    assert body.decode() == encoder(registry).decode()
+
+
 def test_build_info_names_the_live_implementation(node):
     node.pure_python = True
     node.agent().wait_registered()
