@@ -89,6 +89,28 @@ def test_a_call_nobody_waits_for_is_noticed_when_its_budget_passes(guard):
     assert future.result(WAIT) is None
 
 
+def test_a_call_that_returned_keeps_nothing_of_its_result():
+    """A scrape every 10 ms once kept a budget's worth of readings alive (the watcher dropped
+    returned calls only at the earliest deadline): RSS grew with the scrape rate."""
+    import gc
+    import weakref
+
+    class Reading:
+        pass
+
+    guard = Guard(budget_s=60.0)  # the watcher stays asleep for the whole test
+    alive = []
+    for n in range(200):
+        future = guard.submit(n % 8, "telemetry", Reading)
+        after_the_guard = threading.Event()  # callbacks run in the order they were added
+        future.add_done_callback(lambda _, e=after_the_guard: e.set())
+        alive.append(weakref.ref(future.result(WAIT)))
+        assert after_the_guard.wait(WAIT)
+        del future
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) == 0
+
+
 def test_a_call_that_fails_in_time_raises_its_own_error_and_leaves_the_gpu_answering(guard):
     def fails():
         raise NvmlError(15, "nvmlDeviceGetName")  # GPU_IS_LOST

@@ -71,6 +71,7 @@ class Workers:
                     future.set_result(fn(*args))
                 except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
                     future.set_exception(exc)
+            del future, fn, args  # an idle worker keeps no result alive
             with self._lock:
                 self._idle += 1
 
@@ -164,6 +165,11 @@ class Guard:
     def _done(self, c: _Call) -> None:
         with self._cond:
             c.done = True
+            # Returned calls leave the heap from its top now, not when the watcher next wakes
+            # (the earliest deadline): each holds its result, and a scrape every 10 ms kept a
+            # budget's worth of them (500 readings a second), RSS growing with them.
+            while self._deadlines and self._deadlines[0].done:
+                heapq.heappop(self._deadlines)
             calls = self._late.get(c.gpu, [])
             if c not in calls:
                 return
