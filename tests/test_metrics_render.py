@@ -99,8 +99,37 @@ def test_a_family_the_fast_path_does_not_know_is_left_to_prometheus_client():
         r = registry(GaugeMetricFamily("gpu_agent_first", "Plain", value=2.0), odd)
         for accept in ACCEPT.values():
             chosen, _ = choose_encoder(accept)
-            assert Renderer().render(r, om="openmetrics" in accept) is None, odd.name
+            assert Renderer().render(list(r.collect()), om="openmetrics" in accept) is None, \
+                odd.name
             assert Renderer().encoder(chosen)(r) == chosen(r), (odd.name, accept)
+
+
+class Counting(Families):
+    """A collector that counts how often it is asked, as the agent's reads NVML each time."""
+
+    collected = 0
+
+    def collect(self):
+        self.collected += 1
+        yield from self.families
+
+
+def test_a_scrape_collects_once_whichever_writer_writes_it():
+    # Falling back part-way must hand prometheus_client the families already read: a second
+    # collect() would read every GPU's telemetry and ask podresources twice, and count the
+    # scrape twice (agent.metrics.exporter counts scrapes in collect()).
+    plain = GaugeMetricFamily("gpu_agent_first", "Plain", value=2.0)
+    timestamped = GaugeMetricFamily("gpu_agent_x", "Timestamped", labels=("gpu",))
+    timestamped.add_metric(["0"], 1.0, timestamp=1700000000.5)
+    for families in ((plain,), (plain, timestamped)):
+        for accept in ACCEPT.values():
+            chosen, _ = choose_encoder(accept)
+            collector = Counting(*families)
+            r = CollectorRegistry(auto_describe=False)
+            r.register(collector)
+            body = Renderer().encoder(chosen)(r)
+            assert collector.collected == 1, (families[-1].name, accept)
+            assert body == chosen(registry(*families)), (families[-1].name, accept)
 
 
 def test_another_escaping_scheme_is_prometheus_clients_own_encoder():

@@ -12,10 +12,11 @@ Owns: choosing the fast path for what prometheus_client's content negotiation ch
 (OpenMetrics or the 0.0.4 text format, with legacy-compatible escaping), and writing that
 text. Anything else (another escaping scheme, a sample with a timestamp, an exemplar or a
 native histogram, a name outside the legacy character set, a metric type the agent does not
-export) is left to prometheus_client's own encoder, whole. The output is checked identical to
+export) is left to prometheus_client's own encoder, whole, given the families already
+collected: a scrape reads NVML and asks podresources once whichever writer writes it. The output is checked identical to
 prometheus_client's on awkward values (tests/test_metrics_render.py) and on a live agent's
-scrapes (tests/test_metrics.py). Must not gather anything: the families come from the registry
-as they do for prometheus_client.
+scrapes (tests/test_metrics.py). Must not gather anything: the families come from the
+registry's one collect() per scrape.
 """
 
 from __future__ import annotations
@@ -58,12 +59,17 @@ class Renderer:
             om = False
         else:
             return chosen
-        return lambda registry: self.render(registry, om) or chosen(registry)
 
-    def render(self, registry: Any, om: bool) -> bytes | None:
-        """The exposition of `registry`; None when a family needs prometheus_client."""
+        def encode(registry: Any) -> bytes:
+            families = list(registry.collect())  # once: the fallback writes these very ones
+            return self.render(families, om) or chosen(_Collected(families))
+
+        return encode
+
+    def render(self, families: list[Any], om: bool) -> bytes | None:
+        """The exposition of collected `families`; None when one needs prometheus_client."""
         out: list[str] = []
-        for metric in registry.collect():
+        for metric in families:
             if not self._family(metric, om, out):
                 return None
         if om:
@@ -102,6 +108,16 @@ class Renderer:
                 return False
             out.append(f"{prefix} {_VALUES.get(value) or floatToGoString(value)}\n")
         return True
+
+
+class _Collected:
+    """Families collected once, as the registry prometheus_client's encoders collect from."""
+
+    def __init__(self, families: list[Any]):
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
 
 
 def _header(metric: Any, om: bool) -> str:
