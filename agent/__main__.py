@@ -8,6 +8,7 @@ what it does, and is imported only when that command runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent.deferred import defer_unused_modules
 
         defer_unused_modules()  # before anything imports grpc
+        gc.disable()  # the start keeps what it allocates: agent.daemon turns collection on
     parser = build_parser(only="run" if command == "run" else None)
     args = parser.parse_args(argv)
     from agent import logs

@@ -6,13 +6,13 @@ changes (applied behind the running servers: agent.rm.resources keeps each resou
 the registrar adds and removes only the servers of resources that come or go), the clean stop,
 and the systemd conversation (READY once every resource registered, STATUS, WATCHDOG, ...).
 Threads: the main thread runs the loop (signals, the watchdog, NVML retries, the status); the
-registrar, gRPC, health and state run their own and call back through `_wake`; a wait for
-NVML here pings the watchdog (agent.nvml.guard). Must not talk gRPC, build devices or
-responses, format the status (agent.status), nor call NVML but through agent.nvml.session.
+registrar, gRPC, health and state run their own and call back through `_wake`. Must not talk
+gRPC, build devices or responses, format the status, or call NVML but through agent.nvml.session.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -88,8 +88,8 @@ class Daemon:
             self._bring_up(first=True)  # registered as early as can be ...
             self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
             self.services.start(self.cfg)
-            if self.notifier.watchdog_interval:
-                self._watchdog_at = time.monotonic()
+            self._watchdog_at = time.monotonic() if self.notifier.watchdog_interval else None
+            gc.enable()  # off since agent.__main__: the start keeps nearly all it allocates
             self._loop()
         finally:
             self._shutdown()
