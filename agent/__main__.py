@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent.deferred import defer_unused_modules
 
         defer_unused_modules()  # before anything imports grpc
-        gc.disable()  # the start keeps what it allocates: agent.daemon turns collection on
+        gc.disable()  # the start keeps what it makes: agent.daemon resumes (agent.gcpause)
     parser = build_parser(only="run" if command == "run" else None)
     args = parser.parse_args(argv)
     from agent import logs

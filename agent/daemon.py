@@ -12,7 +12,6 @@ gRPC, build devices or responses, format the status, or call NVML but through ag
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agent import __version__, status
+from agent import __version__, gcpause, status
 from agent.config import Config, load_config
 from agent.errors import ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
@@ -89,7 +88,7 @@ class Daemon:
             self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
             self.services.start(self.cfg)
             self._watchdog_at = time.monotonic() if self.notifier.watchdog_interval else None
-            gc.enable()  # off since agent.__main__: the start keeps nearly all it allocates
+            gcpause.resume()  # off since agent.__main__: the start keeps nearly all it makes
             self._loop()
         finally:
             self._shutdown()

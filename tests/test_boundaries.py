@@ -25,7 +25,7 @@ RANK = {
     "nvml": 4,
     "_fast": 5,
     "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,
-    "devchar": 7, "logs": 7, "deferred": 7, "latency": 7,
+    "devchar": 7, "logs": 7, "deferred": 7, "latency": 7, "gcpause": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -40,6 +40,7 @@ FORBIDDEN = {
     "logs": set(RANK) - {"logs"},
     "deferred": set(RANK) - {"deferred"},
     "latency": set(RANK) - {"latency"},
+    "gcpause": set(RANK) - {"gcpause"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors", "constants"},
     "host": set(RANK) - {"host", "errors"},

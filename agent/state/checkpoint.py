@@ -4,8 +4,7 @@ Owns: `Record` (one container's allocation: resource, device IDs, the physical G
 them, the Allocate response given (None for an allocation adopted from podresources, whose
 response the agent never saw), when, in which boot, and the pod it was attributed to),
 `Checkpoint` (the records and when/where they were written), `encode` / `decode`, and
-`by_age` (the order of records) and `building_records` (the garbage collector paused while
-records are made by the thousand).
+and `by_age` (the order of records).
 
 The file is one msgpack map, the frame, which every version of gpu-agent keeps as it is:
 
@@ -22,11 +21,9 @@ agent.state.reconcile matches them to pods).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import struct
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 from types import MappingProxyType
@@ -274,21 +271,6 @@ def _response(value: Any, where: str) -> Response:
 
 # A sort key: records in the order of their Allocates (the ID breaks ties).
 by_age = attrgetter("time", "id")
-
-
-@contextmanager
-def building_records() -> Iterator[None]:
-    """For a pass that makes records by the thousand (a journal replayed, a reconciliation):
-    it makes some hundred thousand small containers and frees few, so the cyclic garbage
-    collector would walk the growing heap again and again (a third of a replay's time at
-    10,000 records, docs/benchmarks.md) to find no cycle. It is paused for the pass."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 # The record types, in the order agent._fast's replay builds them from the journal (it may not

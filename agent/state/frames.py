@@ -30,11 +30,11 @@ import msgpack
 from agent import _fast
 from agent.constants import DEVICE_ID_STRATEGIES
 from agent.errors import CheckpointError
+from agent.gcpause import paused
 from agent.state.checkpoint import (
     KINDS,
     PodRef,
     Record,
-    building_records,
     record_data,
     record_from_data,
 )
@@ -170,7 +170,7 @@ def scan(data: bytes | memoryview, replay_module: Any = None) -> Scan:
     through the replay hot path (agent._fast: the live one unless `replay_module` is given);
     the first frame it does not take (a meta entry, a torn or damaged one) is replayed here,
     with the checks and messages."""
-    with building_records():
+    with paused():  # records made by the thousand (agent.gcpause)
         return _scan(memoryview(data), replay_module or _fast.replay_impl)
 
 

@@ -33,12 +33,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from agent.state.checkpoint import GpuRef, PodRef, Record, building_records, by_age
+from agent.gcpause import paused
+from agent.state.checkpoint import GpuRef, PodRef, Record, by_age
 
 # An Allocate that no pod claims within this long was not followed by a running container
 # (kubelet failed the admission after Allocate, or something other than kubelet called us).
 UNATTRIBUTED_GRACE_S = 300.0
-_new_record = tuple.__new__  # a Record from its nine fields, without Record.__new__'s call
+_new_record = tuple.__new__  # a Record (PodRef) from its fields, without __new__'s Python call
 
 
 class PodDevices(NamedTuple):
@@ -74,7 +75,7 @@ def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
     """Entries of the same container and resource merged (device IDs in first-seen order)."""
     merged: dict[tuple, PodDevices] = {}
     for e in entries:
-        key = (e.namespace, e.name, e.container, e.resource)
+        key = e[:4]  # namespace, name, container, resource
         seen = merged.get(key)
         if seen is None:
             merged[key] = e  # most containers come in one piece: kept as it is
@@ -126,7 +127,7 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
     be had. Records in `protected` (appended after the listing was asked for) are kept as they
     are, and a listed container with one of their device sets is not adopted: a listing older
     than a record cannot tell its container from the devices' previous holder."""
-    with building_records():
+    with paused():  # records made by the thousand (agent.gcpause)
         return _reconcile(records, listing, devices, keyed_by, boot, now, grace, protected)
 
 
@@ -168,9 +169,17 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
     by_set: dict[tuple[str, frozenset], dict[PodRef, int]] = {}
     owner: dict[tuple[str, str], PodRef] = {}
     live_pods = set()
+    frozen: dict[tuple[str, ...], frozenset] = {}  # a few device lists, each made a set once
+
+    def as_set(ids: tuple[str, ...]) -> frozenset:
+        got = frozen.get(ids)
+        if got is None:
+            got = frozen[ids] = frozenset(ids)
+        return got
+
     for i, e in enumerate(merged):
-        pod = PodRef(e.namespace, e.name, e.container)
-        by_set.setdefault((e.resource, frozenset(e.device_ids)), {})[pod] = i
+        pod = _new_record(PodRef, e[:3])  # namespace, name, container
+        by_set.setdefault((e.resource, as_set(e.device_ids)), {})[pod] = i
         for d in e.device_ids:
             owner[(e.resource, d)] = pod
         live_pods.add((e.namespace, e.name))
@@ -184,15 +193,17 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             kept.append(r)
             pending += r.pod is None
             continue
-        candidates = by_set.get((r.resource, frozenset(r.devices)), {})
+        devices_set = frozen.get(r.devices) or as_set(r.devices)
+        candidates = by_set.get((r.resource, devices_set), {})
         match = None
-        if r.pod is not None and r.pod in candidates:
-            match = r.pod
-        elif r.pod is None and candidates:
+        if r.pod is not None:
+            if candidates.pop(r.pod, None) is not None:
+                match = r.pod
+        elif candidates:
             match = next(iter(candidates))
-        if match is not None:
             del candidates[match]
-            if r.pod is match or r.pod == match:
+        if match is not None:
+            if r.pod is match:
                 kept.append(_new_record(Record, (*r[:8], now)))
             else:
                 updated = _new_record(Record, (*r[:7], match, now))
@@ -234,9 +245,10 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             id=adopted_id(e), resource=e.resource, devices=e.device_ids,
             gpus=tuple(GpuRef(known[d].gpu_uuid, int(known[d].gpu_index)) for d in e.device_ids),
             response=None, time=now, boot=boot, pod=e.pod, confirmed=now))
-    kept.reverse()  # oldest first, as they were in
-    kept += adopted
-    kept.sort(key=by_age)  # a few runs already in order: close to linear
+    kept.reverse()  # oldest first, as they were in (each kept record has its time and ID)
+    if adopted:
+        kept += adopted
+        kept.sort(key=by_age)  # two runs already in order: close to linear
     if rekeyed:
         kept_ids = {r.id for r in kept}
         rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
