@@ -168,6 +168,29 @@ def test_the_exposition_is_what_prometheus_client_writes_for_the_same_samples(ru
     assert body.decode() == encoder(registry).decode()
 
 
+def test_a_scraper_that_accepts_gzip_gets_the_same_exposition_compressed(running):
+    import gzip
+
+    node, agent, port = running
+    node.client.admit_pod("trainer", {"main": {GPU: 1}}, namespace="ml")
+    scrape_until(port, lambda got: any(lab.get("pod") == "trainer" for _, lab, _ in got),
+                 "trainer's labels")
+    url = f"http://127.0.0.1:{port}/metrics"
+    accept = "application/openmetrics-text;version=1.0.0"
+    with urllib.request.urlopen(urllib.request.Request(
+            url, headers={"Accept": accept, "Accept-Encoding": "gzip"}), timeout=WAIT) as r:
+        encoding, packed = r.headers["Content-Encoding"], r.read()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}),
+                                timeout=WAIT) as r:
+        plain_encoding, plain = r.headers["Content-Encoding"], r.read()
+    assert encoding == "gzip" and plain_encoding is None
+    text, plain_text = gzip.decompress(packed).decode(), plain.decode()
+    assert 'pod="trainer"' in text and text.endswith("# EOF\n")
+    # the same families and samples; only the values read at each scrape may differ
+    assert [line.rsplit(" ", 1)[0] for line in text.splitlines()] == \
+        [line.rsplit(" ", 1)[0] for line in plain_text.splitlines()]
+
+
 def test_build_info_names_the_live_implementation(node):
     node.pure_python = True
     node.agent().wait_registered()
