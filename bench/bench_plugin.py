@@ -199,7 +199,9 @@ def run() -> Section:
         "kubelet's dial-back inside Register. The journal, the CDI check, PyYAML, pyinotify "
         "and the podresources client load after the first registration; asyncio, grpc.aio, "
         "protobuf's python_message and ctypes.util, which grpc, protobuf and pynvml import "
-        "but the agent never uses, load only if something uses them (agent/deferred.py).",
+        "but the agent never uses, load only if something uses them (agent/deferred.py). "
+        "The garbage collector is off until the start is done (agent/gcpause.py): the start "
+        "keeps nearly everything it makes, so collections during it found next to nothing.",
         "Restart: measured from the simulated kubelet's RESTARTED event (its sockets wiped, "
         "kubelet.sock about to be served again) to the agent's Register and to the first "
         "device list of the new stream. The agent acts on the inotify event at once: it "
