@@ -6,15 +6,23 @@ friends. The agent runs no event loop, yet that costs every start 20 to 35 ms on
 (asyncio brings ssl, and ssl libcrypto) and about 7 MB of resident memory. Likewise protobuf's
 descriptor_pool imports python_message (with text_format, the pure-Python decoder and pickle),
 which only the pure-Python protobuf backend uses (the agent runs on upb), and pynvml imports
-`ctypes.util.find_library` (with shutil, subprocess and tempfile), which it never calls.
+`ctypes.util.find_library` (with shutil, subprocess and tempfile), which it never calls. And
+grpc's server module imports `typing_extensions.override`, a decorator for type checkers,
+which brings typing_extensions and inspect (with ast, dis and tokenize): about 10 ms of the
+start and 2.4 MB that nothing else in `run` needs (prometheus_client loads inspect at the
+first scrape).
 
 `defer_unused_modules()` puts a stand-in in `sys.modules` for each of them. A stand-in turns
 into the real module, in place, on the first use of any name, so a caller gets what the real
-import would give, only later. Two kinds of names are answered without that: cheap ones that
-a small submodule defines (`asyncio.AbstractEventLoop`, from `asyncio.events`), and forwarded
-functions (`ctypes.util.find_library`: a function that loads the module and calls the real
-one, so pynvml's imported name is that forwarder). Nothing is deferred when the module is
-already imported or cannot be found. bench/bench_plugin.py measures the start.
+import would give, only later. Three kinds of names are answered without that: cheap ones that
+a small module defines (`asyncio.AbstractEventLoop`, from `asyncio.events`; on Python 3.12
+and later `typing_extensions.override` is `typing.override`), forwarded functions
+(`ctypes.util.find_library`: a function that loads the module and calls the real one, so
+pynvml's imported name is that forwarder), and, before 3.12, `typing_extensions.override`
+answered with a function that does what the real one does (PEP 698: set `__override__` on
+its argument and return it), since grpc applies it while its classes are made. Nothing is
+deferred when the module is already imported or cannot be found. bench/bench_plugin.py
+measures the start.
 
 Owns: those stand-ins. Must not: change what a deferred module's attributes are once loaded,
 or import anything of the agent.
@@ -27,20 +35,38 @@ import importlib.machinery
 import sys
 import threading
 import types
+import typing
 
-# What a stand-in answers before it loads: name -> the submodule that defines it (cheap), and
-# functions answered with a forwarder (called at import, the function itself never).
+
+def _override(arg):
+    """typing_extensions.override before Python 3.12, line for line in what it does."""
+    try:
+        arg.__override__ = True
+    except (AttributeError, TypeError):  # a read-only attribute, or a builtin
+        pass
+    return arg
+
+
+# What a stand-in answers before it loads: name -> the module that defines it (cheap),
+# functions answered with a forwarder (called at import, the function itself never), and
+# names answered with an equal stand-in of their own.
 _CHEAP = {"asyncio": {"AbstractEventLoop": "asyncio.events"}}
 _FORWARDED = {"ctypes.util": ("find_library",)}
+_EQUAL: dict[str, dict] = {}
+if hasattr(typing, "override"):  # 3.12+: typing_extensions exports this very function
+    _CHEAP["typing_extensions"] = {"override": "typing"}
+else:
+    _EQUAL["typing_extensions"] = {"override": _override}
 _STATE = "__deferred__"  # the stand-in's bookkeeping, in its __dict__ until it is loaded
 
 
 class _Deferred:
-    __slots__ = ("cheap", "forwarded", "lock", "loading_thread")
+    __slots__ = ("cheap", "equal", "forwarded", "lock", "loading_thread")
 
     def __init__(self, name: str):
         self.cheap = _CHEAP.get(name, {})
         self.forwarded = _FORWARDED.get(name, ())
+        self.equal = _EQUAL.get(name, {})
         self.lock = threading.RLock()
         self.loading_thread: int | None = None
 
@@ -55,6 +81,8 @@ class DeferredModule(types.ModuleType):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
         if name in state.forwarded:
             return _forwarder(self, name)
+        if name in state.equal:
+            return state.equal[name]
         with state.lock:
             if state.loading_thread == threading.get_ident():
                 # The import system asking, while this thread runs the module's own imports,
@@ -131,6 +159,8 @@ def defer_unused_modules() -> None:
     whose code runs anyway are imported here so their submodule's stand-in is their
     attribute too; grpc, whose import is the point, binds `grpc.aio` itself."""
     _defer("asyncio", None)
+    _defer("typing_extensions", None)  # for grpc._server's `override`
+    _defer("inspect", None)  # typing_extensions' (and dataclasses' for classes with no doc)
     if "grpc" not in sys.modules:
         path = _package_path("grpc")
         if path:

@@ -82,6 +82,8 @@ def is_node_name(name: str, in_caps: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class Node:
+    """An NVIDIA device node and its numbers (what its /dev/char link is named after)."""
+
     path: str  # absolute, under the root
     major: int
     minor: int

@@ -198,8 +198,9 @@ def run() -> Section:
         "discovery on the simulated library, the link model, the recorded faults, serving, and "
         "kubelet's dial-back inside Register. The journal, the CDI check, PyYAML, pyinotify "
         "and the podresources client load after the first registration; asyncio, grpc.aio, "
-        "protobuf's python_message and ctypes.util, which grpc, protobuf and pynvml import "
-        "but the agent never uses, load only if something uses them (agent/deferred.py). "
+        "protobuf's python_message, ctypes.util, typing_extensions and inspect, which grpc, "
+        "protobuf and pynvml import but the agent never uses, load only if something uses "
+        "them (agent/deferred.py). "
         "The garbage collector is off until the start is done (agent/gcpause.py): the start "
         "keeps nearly everything it makes, so collections during it found next to nothing.",
         "Restart: measured from the simulated kubelet's RESTARTED event (its sockets wiped, "

@@ -1,5 +1,6 @@
-"""agent/deferred.py: asyncio, grpc.aio and protobuf's python_message stay unloaded while the
-agent does not use them, and turn into exactly the real modules when something does.
+"""agent/deferred.py: asyncio, grpc.aio, protobuf's python_message, typing_extensions and
+inspect stay unloaded while the agent does not use them, and turn into exactly the real modules
+when something does.
 
 Each case runs in a fresh interpreter (the test process has long imported asyncio), and the
 agent case checks the running `gpu-agent run` from outside, through /proc/PID/maps, as an
@@ -43,6 +44,58 @@ def test_grpc_imports_without_loading_asyncio_ssl_or_grpc_aio():
                           "base_events": "asyncio.base_events" in sys.modules}))
     """)
     assert got == {"asyncio": False, "grpc.aio": False, "ssl": False, "base_events": False}
+
+
+def test_a_grpc_server_serves_without_loading_typing_extensions_or_inspect():
+    # grpc._server applies typing_extensions.override while its classes are made: the
+    # stand-in answers it with a function that marks methods as the real one does (PEP 698)
+    real = _python("""
+        import grpc._server as s
+        print(json.dumps({"marked": sorted(
+            n for n, v in vars(s).items() if isinstance(v, type)
+            and any(getattr(f, "__override__", False) for f in vars(v).values()))}))
+    """, defer=False)
+    got = _python("""
+        import grpc
+        from concurrent import futures
+        echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+        handler = grpc.method_handlers_generic_handler("t.T", {"Echo": echo})
+        server = grpc.server(futures.ThreadPoolExecutor(1), handlers=[handler])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            echoed = channel.unary_unary("/t.T/Echo")(b"ping", timeout=10)
+        server.stop(None)
+        import grpc._server as s
+        marked = sorted(n for n, v in vars(s).items() if isinstance(v, type)
+                        and any(getattr(f, "__override__", False) for f in vars(v).values()))
+        print(json.dumps({"echoed": echoed.decode(), "marked": marked,
+                          "typing_extensions": is_loaded("typing_extensions"),
+                          "inspect": is_loaded("inspect")}))
+    """)
+    assert got == {"echoed": "ping", "marked": real["marked"], "typing_extensions": False,
+                   "inspect": False}
+    assert real["marked"]  # grpc still marks some methods: the stand-in is exercised
+
+
+def test_first_use_of_typing_extensions_loads_it_whole():
+    real = _python("""
+        import typing_extensions
+        print(json.dumps(sorted(n for n in dir(typing_extensions) if not n.startswith("__"))))
+    """, defer=False)
+    got = _python("""
+        import grpc._server
+        import typing_extensions
+        before = is_loaded("typing_extensions")
+        literal = typing_extensions.Literal["a"]
+        print(json.dumps({"before": before, "loaded": is_loaded("typing_extensions"),
+                          "inspect": is_loaded("inspect"), "literal": str(literal),
+                          "names": sorted(n for n in dir(typing_extensions)
+                                          if not n.startswith("__"))}))
+    """)
+    assert got["before"] is False and got["loaded"] and got["inspect"]
+    assert got["literal"].endswith("Literal['a']")
+    assert got["names"] == real
 
 
 def test_first_use_loads_the_real_asyncio_with_every_name_it_has():
