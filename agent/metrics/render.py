@@ -13,10 +13,10 @@ Owns: choosing the fast path for what prometheus_client's content negotiation ch
 text. Anything else (another escaping scheme, a sample with a timestamp, an exemplar or a
 native histogram, a name outside the legacy character set, a metric type the agent does not
 export) is left to prometheus_client's own encoder, whole, given the families already
-collected: a scrape reads NVML and asks podresources once whichever writer writes it. The output is checked identical to
-prometheus_client's on awkward values (tests/test_metrics_render.py) and on a live agent's
-scrapes (tests/test_metrics.py). Must not gather anything: the families come from the
-registry's one collect() per scrape.
+collected: a scrape reads NVML and asks podresources once whichever writer writes it. The
+output is checked identical to prometheus_client's on awkward values
+(tests/test_metrics_render.py) and on a live agent's scrapes (tests/test_metrics.py). Must
+not gather anything: the families come from the registry's one collect() per scrape.
 """
 
 from __future__ import annotations
