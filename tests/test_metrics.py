@@ -275,6 +275,21 @@ def test_mig_devices_carry_their_pod_and_their_parent_gpu():
         assert [(h["uuid"], h["gpu"]) for h, _ in healthy] == [(lab["uuid"], lab["gpu"])]
 
 
+def test_memory_used_is_what_nvidia_smi_shows_without_the_reserved_memory():
+    # NVML's v2 memory call counts what the driver and firmware reserve apart (nvidia-smi's
+    # "Memory-Usage"); the v1 struct counts it as used: 480 MiB on an idle H100 with driver
+    # 580 (docs/hardware/h100-580.159.04/), 543 MiB on the dgx-h100 profile's GPUs
+    gpu = load_profile("dgx-h100")["gpus"][3]
+    assert gpu["memory"]["reserved"] > 0
+    with Node("dgx-h100") as node:
+        node.agent().wait_registered()
+        port = metrics_port(node)
+        control.set_telemetry(gpu["uuid"], node.ctl, memory_used_mib=10240)
+        got = dict((n, v) for n, lab, v in scrape(port) if lab.get("uuid") == gpu["uuid"])
+        assert got["gpu_agent_gpu_memory_used_bytes"] == 10240 * 2**20
+        assert got["gpu_agent_gpu_memory_total_bytes"] == gpu["memory"]["total"]
+
+
 def test_telemetry_is_read_when_scraped(running):
     node, _, port = running
     uuid = node.client.state().resource(GPU).devices[5].id

@@ -39,8 +39,25 @@ def _throttle(handle: Any) -> int:
     return get(handle)
 
 
+# The v2 memory call (drivers from R510 on) counts the memory the driver and firmware reserve
+# apart, as nvidia-smi shows it; the v1 struct counts it as used (480 MiB on an idle H100:
+# docs/hardware/). False once this driver lacks v2: v1 from then on.
+_MEMORY_V2 = [getattr(pynvml, "nvmlMemory_v2", None) is not None]
+_NO_V2 = (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED,
+          getattr(pynvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", -1))
+
+
 def _memory(handle: Any) -> Iterator[tuple[str, float]]:
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    info = None
+    if _MEMORY_V2[0]:
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        except pynvml.NVMLError as exc:
+            if exc.value not in _NO_V2:
+                raise
+            _MEMORY_V2[0] = False
+    if info is None:
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
     yield "memory_used_bytes", info.used
     yield "memory_total_bytes", info.total
 
