@@ -193,8 +193,7 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             kept.append(r)
             pending += r.pod is None
             continue
-        devices_set = frozen.get(r.devices) or as_set(r.devices)
-        candidates = by_set.get((r.resource, devices_set), {})
+        candidates = by_set.get((r.resource, as_set(r.devices)), {})
         match = None
         if r.pod is not None:
             if candidates.pop(r.pod, None) is not None:
