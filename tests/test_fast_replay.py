@@ -7,6 +7,7 @@ torn tail or the same error with the same message.
 
 from __future__ import annotations
 
+import struct
 import types
 
 import msgpack
@@ -150,3 +151,98 @@ def test_an_odd_entry_gets_the_checked_replays_answer(fast_impl, entry, answer):
 def test_property_a_record_map_reads_back_as_the_checked_path_reads_it(fast_impl, r):
     value = ck.record_data(r)
     assert fast_impl.replay.record(value, KINDS) == r == ck.record_from_data(value, "x")
+
+
+# A put entry in encodings other than the one the agent writes (agent.state.frames packs map
+# keys as fixstr, times as float64, small GPU indexes as fixint): the compiled replay reads the
+# agent's own encoding from the bytes and must leave every other one to msgpack, so that each
+# still gets the checked replay's answer (taken as it is, or refused with its message).
+def _pieces(d: dict) -> list[tuple[bytes, bytes]]:
+    return [(msgpack.packb(k), msgpack.packb(v, use_bin_type=True)) for k, v in d.items()]
+
+
+def _put(pieces: list[tuple[bytes, bytes]], header: bytes | None = None) -> bytes:
+    head = msgpack.Packer().pack_map_header(len(pieces)) if header is None else header
+    return b"\x92" + msgpack.packb("put") + head + b"".join(k + v for k, v in pieces)
+
+
+def _with(key: str, raw: bytes):
+    """The pieces with `key`'s value replaced by the raw msgpack bytes `raw`."""
+    return lambda ps: _put([(k, raw if k == msgpack.packb(key) else v) for k, v in ps])
+
+
+_ENCODINGS = {
+    "the-agents-own": lambda ps: _put(ps),
+    "keys-in-another-order": lambda ps: _put(ps[::-1]),
+    "map16-header": lambda ps: _put(ps, b"\xde\x00\x09"),
+    "map32-header": lambda ps: _put(ps, b"\xdf\x00\x00\x00\x09"),
+    "str8-key": lambda ps: _put([(b"\xd9\x02id" if k == b"\xa2id" else k, v) for k, v in ps]),
+    "str16-value": _with("boot", b"\xda\x00\x06boot-1"),
+    "float32-time": _with("time", b"\xca" + struct.pack(">f", 5.5)),
+    "fixint-time": _with("time", b"\x05"),
+    "uint64-time": _with("time", b"\xcf" + struct.pack(">Q", 2**62 + 1)),
+    "negative-time": _with("time", b"\xff"),
+    "nan-time": _with("time", b"\xcb" + struct.pack(">d", float("nan"))),
+    "bool-confirmed": _with("confirmed", b"\xc3"),
+    "float32-confirmed": _with("confirmed", b"\xca" + struct.pack(">f", 7.25)),
+    "a-key-twice": lambda ps: _put(ps + ps[:1]),
+    "a-key-twice-one-missing": lambda ps: _put(ps[:-1] + ps[:1]),
+    "a-byte-after-the-map": lambda ps: _put(ps) + b"\xc0",
+    "the-map-cut-short": lambda ps: _put(ps[:-1], b"\x89"),
+    "bad-utf8-id": _with("id", b"\xa2\xff\xfe"),
+    "bin-id": _with("id", b"\xc4\x02r1"),
+    "gpu-index-uint16": _with("gpus", msgpack.packb([["GPU-0", 300]])),
+    "gpu-index-uint64": _with("gpus", msgpack.packb([["GPU-0", 2**40]])),
+    "gpu-index-negative": _with("gpus", msgpack.packb([["GPU-0", -1]])),
+    "gpu-index-float": _with("gpus", msgpack.packb([["GPU-0", 0.0]])),
+    "gpu-of-3": _with("gpus", msgpack.packb([["GPU-0", 0, 0]])),
+    "array16-devices": _with("devices", b"\xdc\x00\x01" + msgpack.packb("GPU-0")),
+    "devices-of-none": _with("devices", msgpack.packb([None])),
+    "pod-of-3": _with("pod", msgpack.packb(["ns", "pod", "c"])),
+    "pod-of-2": _with("pod", msgpack.packb(["ns", "pod"])),
+    "pod-a-str": _with("pod", msgpack.packb("ns/pod/c")),
+    "response-none": _with("response", b"\xc0"),
+    "response-mounts": _with("response", msgpack.packb({
+        "envs": {"A": "1", "B": "2"}, "mounts": [["/a", "/b", True], ["/c", "/d", False]],
+        "devices": [["/dev/x", "/dev/x", "rw"]], "annotations": {"k": "v"},
+        "cdiDevices": ["nvidia.com/gpu=0"]})),
+    "response-env-twice": _with("response", b"\x85\xa4envs\x82\xa1A\xa11\xa1A\xa12" + b"".join(
+        msgpack.packb(x) for x in ("mounts", [], "devices", [], "annotations", {},
+                                   "cdiDevices", []))),
+    "response-key-twice": _with("response", b"\x86\xa4envs\x80\xa4envs\x80" + b"".join(
+        msgpack.packb(x) for x in ("mounts", [], "devices", [], "annotations", {},
+                                   "cdiDevices", []))),
+    "response-mount-flag-nil": _with("response", msgpack.packb({
+        "envs": {}, "mounts": [["/a", "/b", None]], "devices": [], "annotations": {},
+        "cdiDevices": []})),
+}
+
+
+@pytest.mark.parametrize("encoding", list(_ENCODINGS))
+def test_a_put_in_any_encoding_gets_the_checked_replays_answer(fast_impl, encoding):
+    payload = _ENCODINGS[encoding](_pieces(_record_map()))
+    put = frames.frame(payload)
+    data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + put + put + \
+        frames.drop_frame("r1") + put
+    fast, checked = _outcome(data, fast_impl.replay), _outcome(data, CHECKED_ONLY)
+    assert repr(fast) == repr(checked)  # repr: a NaN time is equal to itself there
+    if encoding == "the-agents-own":
+        assert fast[0] == "scan" and fast[1].records == {"r1": ck.record_from_data(
+            _record_map(), "x")}
+
+
+def test_the_compiled_replay_shares_what_records_repeat():
+    """Records that repeat their devices, GPUs, response, resource and boot hold one copy of
+    each after a restart (a journal of 10,000 records: 15 MB instead of 22 MB in memory)."""
+    from agent._fast import replay
+
+    r = ck.Record("r1", "nvidia.com/gpu", ("GPU-0", "GPU-1"),
+                  (ck.GpuRef("GPU-0", 0), ck.GpuRef("GPU-1", 1)),
+                  ck.Response(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1"}), 5.0, "boot-1")
+    other = r._replace(id="r2", time=6.0, pod=PodRef("ns", "p", "c"), confirmed=7.0)
+    data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + frames.put_frame(r) + \
+        frames.put_frame(other)
+    got = frames.scan(data, replay).records
+    assert got == {"r1": r, "r2": other}
+    for field in ("resource", "devices", "gpus", "response", "boot"):
+        assert getattr(got["r1"], field) is getattr(got["r2"], field), field
