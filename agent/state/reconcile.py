@@ -141,13 +141,21 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
         gpus = {GpuRef(d.gpu_uuid, int(d.gpu_index)) for ds in devices.values() for d in ds}
         by_uuid = {g.uuid: g for g in gpus}
         by_index = {g.index: g for g in gpus}
-        # records share a few GPU tuples (one per GPU set handed out): each resolved once
+        # records share a few GPU tuples (one per GPU set handed out): each resolved once,
+        # and found again by the tuple's identity (the replay and Allocate share them), else
+        # by its value
         resolved_sets: dict[tuple[GpuRef, ...], tuple[tuple[GpuRef, ...] | None, str]] = {}
+        by_identity: dict[int, tuple] = {}
         for r in records:
-            known = resolved_sets.get(r.gpus)
-            if known is None:
-                known = resolved_sets[r.gpus] = _resolve_gpus(r.gpus, by_uuid, by_index,
-                                                              keyed_by)
+            seen = by_identity.get(id(r.gpus))
+            if seen is not None and seen[0] is r.gpus:
+                known = seen[1]
+            else:
+                known = resolved_sets.get(r.gpus)
+                if known is None:
+                    known = resolved_sets[r.gpus] = _resolve_gpus(r.gpus, by_uuid, by_index,
+                                                                  keyed_by)
+                by_identity[id(r.gpus)] = (r.gpus, known)
             resolved, note = known
             if resolved is None:
                 dropped.append((r, note))
@@ -164,11 +172,10 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
         return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False)
 
     merged = merge_listing(listing)
-    # (resource, device set) -> the unclaimed containers listing exactly it, each with its
+    # resource -> device set -> the unclaimed containers listing exactly it, each with its
     # place in the listing (a dict: ordered, O(1) membership and removal when claimed)
-    by_set: dict[tuple[str, frozenset], dict[PodRef, int]] = {}
-    owner: dict[tuple[str, str], PodRef] = {}
-    live_pods = set()
+    by_set: dict[str, dict[frozenset, dict[PodRef, int]]] = {}
+    owner: dict[str, dict[str, PodRef]] = {}  # resource -> device ID -> its container
     frozen: dict[tuple[str, ...], frozenset] = {}  # a few device lists, each made a set once
 
     def as_set(ids: tuple[str, ...]) -> frozenset:
@@ -179,13 +186,23 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
 
     for i, e in enumerate(merged):
         pod = _new_record(PodRef, e[:3])  # namespace, name, container
-        by_set.setdefault((e.resource, as_set(e.device_ids)), {})[pod] = i
+        sets = by_set.get(e.resource)
+        if sets is None:
+            sets = by_set[e.resource] = {}
+            owner[e.resource] = {}
+        fs = as_set(e.device_ids)
+        pods = sets.get(fs)
+        if pods is None:
+            pods = sets[fs] = {}
+        pods[pod] = i
+        owned = owner[e.resource]
         for d in e.device_ids:
-            owner[(e.resource, d)] = pod
-        live_pods.add((e.namespace, e.name))
+            owned[d] = pod
+    no_sets: dict = {}
     kept: list[Record] = []
     attributed: list[Record] = []
     pending = 0
+    live_pods: set[tuple[str, str]] | None = None
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
     # running container got
     for r in sorted(current, key=by_age, reverse=True):
@@ -193,10 +210,10 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             kept.append(r)
             pending += r.pod is None
             continue
-        candidates = by_set.get((r.resource, as_set(r.devices)), {})
+        candidates = by_set.get(r.resource, no_sets).get(as_set(r.devices), no_sets)
         match = None
         if r.pod is not None:
-            if candidates.pop(r.pod, None) is not None:
+            if candidates and candidates.pop(r.pod, None) is not None:
                 match = r.pod
         elif candidates:
             match = next(iter(candidates))
@@ -210,14 +227,16 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
                 attributed.append(updated)
             continue
         if r.pod is not None:
-            if (r.pod.namespace, r.pod.name) in live_pods:
+            if live_pods is None:  # only a record whose pod is gone needs them
+                live_pods = {e[:2] for e in merged}  # (namespace, name)
+            if r.pod[:2] in live_pods:
                 why = f"pod {r.pod} no longer holds these devices"
             else:
                 why = f"pod {r.pod.namespace}/{r.pod.name} has ended"
             dropped.append((r, why))
             continue
-        holder = next((owner[(r.resource, d)] for d in r.devices if (r.resource, d) in owner),
-                      None)
+        owned = owner.get(r.resource, no_sets)
+        holder = next((owned[d] for d in r.devices if d in owned), None)
         if r.boot != boot:
             dropped.append((r, f"allocated in another boot ({r.boot or 'unknown'}) and not "
                                f"listed by podresources"))
@@ -233,7 +252,8 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
     # record's (or the devices' previous holder): neither is decided on this listing
     fresh_sets = {(r.resource, frozenset(r.devices)) for r in current if r.id in protected} \
         if protected else set()
-    unclaimed = sorted(i for pods in by_set.values() for i in pods.values())
+    unclaimed = sorted(i for sets in by_set.values() for pods in sets.values()
+                       for i in pods.values())
     for e in (merged[i] for i in unclaimed) if devices is not None else ():
         if (e.resource, frozenset(e.device_ids)) in fresh_sets:
             continue
