@@ -43,8 +43,9 @@ from bench import (
 SCRAPES = 50
 MORE_SCRAPES = 1000  # then this many more, for the RSS they leave
 IDLE_S = 30.0
-ALLOCATE_BLOCK = 1500  # calls per block (about a second)
-BLOCKS = 30  # none, agent scraped, other server fetched, in turn
+ALLOCATE_BLOCK = 500  # calls per block (about 0.4 s)
+BLOCKS = 90  # none, agent scraped, other server fetched, in turn: short blocks, so that each
+# kind samples the machine's swings alike
 RESOURCE = "nvidia.com/gpu"
 
 
@@ -222,7 +223,9 @@ def _idle_cpu(node: Node, address: str) -> tuple[float, float]:
 # A scraper in its own process, as Prometheus is: the request Prometheus sends (OpenMetrics
 # preferred, gzip), then a second's pause, until stopped. The bench stops it (SIGSTOP) outside
 # its own blocks and lets it go on (SIGCONT) during them, so every kind of block shares the
-# one agent, the same minutes and the same state of the machine.
+# one agent, the same minutes and the same state of the machine. Its second is counted in
+# 10 ms naps of the time it runs: a plain sleep(1) goes on elapsing while it is stopped, and
+# it would scrape at once on every resume (2 to 3 scrapes per second of its blocks).
 SCRAPER = r"""
 import json, sys, time, urllib.request
 request = urllib.request.Request(sys.argv[1], headers=json.loads(sys.argv[2]))
@@ -231,7 +234,11 @@ while True:
     with urllib.request.urlopen(request, timeout=10) as r:
         r.read()
     print("scraped", flush=True)
-    time.sleep(1.0)
+    waited = 0.0
+    while waited < 1.0:
+        start = time.monotonic()
+        time.sleep(0.01)
+        waited += min(time.monotonic() - start, 0.02)  # a nap stopped midway counts as one
 """
 
 
@@ -342,13 +349,13 @@ def run() -> Section:
                 f"GPU's telemetry from NVML; on 8 GPUs then {MORE_SCRAPES:,} more, for the "
                 f"memory they leave. Idle: CPU of an agent nobody scrapes over "
                 f"{IDLE_S:g} s, endpoint on and off, same run. Allocate: one blocking caller, "
-                f"{BLOCKS} blocks of {ALLOCATE_BLOCK} 2-GPU Allocates (about a second each) on "
+                f"{BLOCKS} blocks of {ALLOCATE_BLOCK} 2-GPU Allocates (about 0.4 s each) on "
                 f"one agent, in turn: no scrapes; the agent scraped every second; the same "
                 f"scraper fetching the same exposition every second from another process "
                 f"(python -m http.server), which measures what any process doing that HTTP "
                 f"round trip costs the caller on this machine. The scraper is a process of its "
                 f"own sending Prometheus' request (OpenMetrics preferred, gzip), stopped "
-                f"(SIGSTOP) outside its blocks."),
+                f"(SIGSTOP) outside its blocks; its second counts only the time it runs."),
         header=["measure", "median", "p99", "target", "met"],
     )
     scraped_rss: list[float] = []
