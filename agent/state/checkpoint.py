@@ -272,6 +272,10 @@ def _response(value: Any, where: str) -> Response:
 # A sort key: records in the order of their Allocates (the ID breaks ties).
 by_age = attrgetter("time", "id")
 
+# A Record (PodRef, GpuRef) from the tuple of all its fields, without the Python-level __new__
+# that NamedTuple generates: for the paths that make one per Allocate or by the thousand.
+from_fields = tuple.__new__
+
 
 # The record types, in the order agent._fast's replay builds them from the journal (it may not
 # import this module).

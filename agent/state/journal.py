@@ -46,6 +46,7 @@ from agent.state.checkpoint import (
     Response,
     by_age,
     decode,
+    from_fields,
 )
 from agent.state.reconcile import Outcome
 
@@ -146,7 +147,9 @@ class Journal:
         self.clock = clock
         self.sync_interval = sync_interval
         self._records: dict[str, Record] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in _wait(): notify only when there is one (the usual none)
         self._batch: _Batch | None = None
         self._writing = False  # the writer role: one write (or compaction step) at a time
         self._fd = -1
@@ -391,10 +394,10 @@ class Journal:
         records, out = [], []
         for devices, response in containers:
             first, piece = self._shared(resource, devices, response)
-            r = Record(f"{self._id_prefix}{next(self._ids):x}", resource, first.devices,
-                       first.gpus, first.response, now, first.boot)
-            records.append(r)
-            out.append(frames.new_put_frame(r.id, now, piece, self._tail))
+            rid = f"{self._id_prefix}{next(self._ids):x}"
+            records.append(from_fields(Record, (rid, resource, first.devices, first.gpus,
+                                                first.response, now, first.boot, None, None)))
+            out.append(frames.new_put_frame(rid, now, piece, self._tail))
         self._add(records, out)
         return records
 
@@ -497,13 +500,13 @@ class Journal:
         """Stop the worker, sync, close the file."""
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
+            self._notify()
         self._wake_worker.set()
         if self._worker is not None:
             self._worker.join(30)
         with self._cond:
             while self._writing:
-                self._cond.wait()
+                self._wait()
             self._writing = True
         try:
             with self._fd_lock:
@@ -514,11 +517,11 @@ class Journal:
         finally:
             with self._cond:
                 self._writing = False
-                self._cond.notify_all()
+                self._notify()
 
     def _submit(self, out: list[bytes], change: Callable[[dict], None], count: bool = True
                 ) -> None:
-        with self._cond:
+        with self._lock:  # the condition's lock, entered in C
             if self.blocked:
                 raise StateError(self.blocked)
             batch = self._batch
@@ -528,19 +531,19 @@ class Journal:
             batch.changes.append(change)
             while not batch.done:
                 if self._writing:
-                    self._cond.wait()
+                    self._wait()
                     continue
                 # leader: write everything waiting, our batch included
                 self._writing, self._batch = True, None
                 data = b"".join(batch.frames)
-                self._cond.release()
+                self._lock.release()
                 try:
                     error = self._append(data)
                 except Exception as exc:  # a bug: fail this batch, never strand followers
                     log.exception("journal write failed")
                     error = exc
                 finally:
-                    self._cond.acquire()
+                    self._lock.acquire()
                 if error is None:
                     try:
                         for fn in batch.changes:
@@ -560,10 +563,23 @@ class Journal:
                             self._wake_worker.set()
                 self._writing = False
                 batch.done, batch.error = True, error
-                self._cond.notify_all()
+                self._notify()
             if batch.error is not None:
                 raise StateError(f"cannot write the journal {self.path}: "
                                  f"{batch.error}") from batch.error
+
+    def _wait(self) -> None:
+        """Wait on the condition (its lock held), counted so that `_notify` knows of us."""
+        self._waiting += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting -= 1
+
+    def _notify(self) -> None:
+        """Wake the threads in `_wait` (the lock held); a call with none waiting costs nothing."""
+        if self._waiting:
+            self._cond.notify_all()
 
     # -- the file (the writer role held) -------------------------------------------------------
 
@@ -577,9 +593,11 @@ class Journal:
             if self._cut_pending:
                 os.ftruncate(self._fd, self._size)
                 self._cut_pending = False
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            written = os.write(self._fd, data)
+            if written < len(data):  # a short write (a signal, a full disk): write the rest
+                view = memoryview(data)[written:]
+                while view:
+                    view = view[os.write(self._fd, view):]
             if self.sync_interval == 0 or self.failing:
                 with self._fd_lock:
                     os.fdatasync(self._fd)
@@ -593,7 +611,8 @@ class Journal:
                     self._cut_pending = True  # tried again before the next write
             self._failed("write", exc)
             return exc
-        self._works()
+        if self.failing:
+            self._works()
         return None
 
     def _open(self, rewrite: bool) -> OSError | None:
@@ -668,7 +687,7 @@ class Journal:
         appended meanwhile and rename it over the journal."""
         with self._cond:
             while self._writing:
-                self._cond.wait()
+                self._wait()
             if self._fd < 0 or self.blocked:
                 return
             snapshot = dict(self._records)
@@ -687,7 +706,7 @@ class Journal:
             os.fdatasync(fd)
             with self._cond:  # the writer role for the switch: appends wait this long
                 while self._writing:
-                    self._cond.wait()
+                    self._wait()
                 self._writing = True
                 since, self._since = self._since or [], None
             try:
@@ -705,7 +724,7 @@ class Journal:
                         self._entries = len(snapshot) + sum(n for _, n in since)
                         self.compactions += 1
                     self._writing = False
-                    self._cond.notify_all()
+                    self._notify()
         except OSError as exc:
             with self._cond:
                 self._since = None

@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from agent.gcpause import paused
-from agent.state.checkpoint import GpuRef, PodRef, Record, by_age
+from agent.state.checkpoint import GpuRef, PodRef, Record, by_age, from_fields
 
 # An Allocate that no pod claims within this long was not followed by a running container
 # (kubelet failed the admission after Allocate, or something other than kubelet called us).
 UNATTRIBUTED_GRACE_S = 300.0
-_new_record = tuple.__new__  # a Record (PodRef) from its fields, without __new__'s Python call
 
 
 class PodDevices(NamedTuple):
@@ -185,7 +184,7 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
         return got
 
     for i, e in enumerate(merged):
-        pod = _new_record(PodRef, e[:3])  # namespace, name, container
+        pod = from_fields(PodRef, e[:3])  # namespace, name, container
         sets = by_set.get(e.resource)
         if sets is None:
             sets = by_set[e.resource] = {}
@@ -220,9 +219,9 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             del candidates[match]
         if match is not None:
             if r.pod is match:
-                kept.append(_new_record(Record, (*r[:8], now)))
+                kept.append(from_fields(Record, (*r[:8], now)))
             else:
-                updated = _new_record(Record, (*r[:7], match, now))
+                updated = from_fields(Record, (*r[:7], match, now))
                 kept.append(updated)
                 attributed.append(updated)
             continue

@@ -94,6 +94,12 @@ class Reconciler:
     def poke(self, delay: float = 0.0) -> None:
         """Reconcile within `delay` s (an earlier one already due stays)."""
         at = time.monotonic() + delay
+        due = self._due
+        if due is not None and at >= due:
+            # the usual case after an Allocate, read without the lock: a pass is due no later.
+            # Should the loop clear it just after this read, that pass starts after the
+            # caller's record was written, so it sees the record all the same.
+            return
         with self._cond:
             if self._due is None or at < self._due:
                 self._due = at
