@@ -17,7 +17,7 @@ import zlib
 import msgpack
 
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, strlen
 
 __all__ = ["record", "replay"]
 
@@ -137,17 +137,33 @@ cpdef object record(object d, tuple kinds):
 
 
 # -- a put entry read from its bytes ------------------------------------------------------------
-# The record map's and the response map's keys, by the bit each sets in `_Put.seen`.
-cdef enum:
-    K_ID = 1, K_RESOURCE = 2, K_DEVICES = 4, K_GPUS = 8, K_RESPONSE = 16, K_TIME = 32,
-    K_BOOT = 64, K_POD = 128, K_CONFIRMED = 256, K_ALL = 511
-    R_ENVS = 1, R_MOUNTS = 2, R_DEVICES = 4, R_ANNOTATIONS = 8, R_CDI = 16, R_ALL = 31
+# The keys of a record map, in the order of the record's fields, and of a response map, in the
+# order of the response's (agent.state.checkpoint: record_data, Record, Response).
+_RECORD_KEYS = (b"id", b"resource", b"devices", b"gpus", b"response", b"time", b"boot", b"pod",
+                b"confirmed")
+_RESPONSE_KEYS = (b"envs", b"mounts", b"devices", b"annotations", b"cdiDevices")
+cdef enum:  # their places
+    F_ID, F_RESOURCE, F_DEVICES, F_GPUS, F_RESPONSE, F_TIME, F_BOOT, F_POD, F_CONFIRMED
+    F_ENVS = 0, F_MOUNTS, F_SPECS, F_ANNOTATIONS, F_CDI
+
+
+cdef Py_ssize_t _place(tuple keys, Py_ssize_t first, const char* k, Py_ssize_t length):
+    """Where key `k` is in `keys` (looked for at `first`, then from the start), or -1."""
+    cdef Py_ssize_t place
+    cdef bytes name = <bytes>keys[first]
+    if len(name) == length and memcmp(k, <const char*>name, length) == 0:
+        return first
+    for place in range(len(keys)):
+        name = <bytes>keys[place]
+        if len(name) == length and memcmp(k, <const char*>name, length) == 0:
+            return place
+    return -1
 
 
 cdef class _Put:
     """Reads one frame's payload as ["put", {record map}] in the agent's own encoding. Every
     method returns its value, or sets `bad` (the frame then goes through msgpack and `record`:
-    anything this reader does not take, the twin's path decides). `shared` keeps, per field,
+    anything this reader does not take, the twin's path decides). `shared_*` keep, per field,
     the value made for each distinct run of bytes: records repeat their devices, GPUs and
     response, and get the same (immutable) objects."""
 
@@ -201,10 +217,10 @@ cdef class _Put:
             return -1
         return length
 
-    cdef Py_ssize_t _count(self, int fix, int fix_max, int b16, int b32) noexcept:
-        """The item count of the array (or map) whose header is next, or -1."""
+    cdef Py_ssize_t _count(self, int fix, int b16, int b32) noexcept:
+        """The item count of the array (fix 0x90) or map (fix 0x80) whose header is next."""
         cdef int b = self._byte()
-        if fix <= b <= fix_max:
+        if fix <= b <= fix + 0x0f:
             return b & 0x0f
         if b == b16:
             return self._be(2)
@@ -214,10 +230,7 @@ cdef class _Put:
         return -1
 
     cdef inline Py_ssize_t _array(self) noexcept:
-        return self._count(0x90, 0x9f, 0xdc, 0xdd)
-
-    cdef inline Py_ssize_t _map(self) noexcept:
-        return self._count(0x80, 0x8f, 0xde, 0xdf)
+        return self._count(0x90, 0xdc, 0xdd)
 
     cdef inline bint _nil(self) noexcept:
         """Whether a nil is next (consumed if so)."""
@@ -239,63 +252,14 @@ cdef class _Put:
         self.pos += length
         return s
 
-    cdef object _common_str(self):
-        """A str that many records repeat (resource, boot): the same object for each."""
-        cdef object s = self._str()
-        if self.bad:
-            return None
-        return self.shared_str.setdefault(s, s)
-
-    cdef int _key(self, int table) noexcept:
-        """The bit of the map key next (table 0: the record's keys, 1: the response's), or 0."""
-        cdef Py_ssize_t length = self._str_len()
-        cdef const char* k
-        if length < 0:
-            return 0
-        k = <const char*>self.p + self.pos
-        self.pos += length
-        if table == 0:
-            if length == 2 and memcmp(k, b"id", 2) == 0:
-                return K_ID
-            if length == 8 and memcmp(k, b"resource", 8) == 0:
-                return K_RESOURCE
-            if length == 7 and memcmp(k, b"devices", 7) == 0:
-                return K_DEVICES
-            if length == 4 and memcmp(k, b"gpus", 4) == 0:
-                return K_GPUS
-            if length == 8 and memcmp(k, b"response", 8) == 0:
-                return K_RESPONSE
-            if length == 4 and memcmp(k, b"time", 4) == 0:
-                return K_TIME
-            if length == 4 and memcmp(k, b"boot", 4) == 0:
-                return K_BOOT
-            if length == 3 and memcmp(k, b"pod", 3) == 0:
-                return K_POD
-            if length == 9 and memcmp(k, b"confirmed", 9) == 0:
-                return K_CONFIRMED
-        else:
-            if length == 4 and memcmp(k, b"envs", 4) == 0:
-                return R_ENVS
-            if length == 6 and memcmp(k, b"mounts", 6) == 0:
-                return R_MOUNTS
-            if length == 7 and memcmp(k, b"devices", 7) == 0:
-                return R_DEVICES
-            if length == 11 and memcmp(k, b"annotations", 11) == 0:
-                return R_ANNOTATIONS
-            if length == 10 and memcmp(k, b"cdiDevices", 10) == 0:
-                return R_CDI
-        self.bad = True
-        return 0
-
-    cdef double _float(self) noexcept:
+    cdef object _float(self):
         """A float64 (how the agent writes times); anything else is left to msgpack."""
-        cdef int b = self._byte()
         cdef unsigned long long bits = 0
-        cdef int i
-        if b != 0xcb or self.n - self.pos < 8:
-            self.bad = True
-            return 0.0
         cdef double value
+        cdef int i
+        if self._byte() != 0xcb or self.n - self.pos < 8:
+            self.bad = True
+            return None
         for i in range(8):
             bits = (bits << 8) | self.p[self.pos + i]
         self.pos += 8
@@ -330,7 +294,7 @@ cdef class _Put:
         return tuple(out)
 
     cdef object _str_map(self):
-        cdef Py_ssize_t count = self._map(), i
+        cdef Py_ssize_t count = self._count(0x80, 0xde, 0xdf), i
         cdef dict out = {}
         cdef object k
         if count < 0:
@@ -344,144 +308,121 @@ cdef class _Put:
                 return None
         return out
 
-    cdef object _devices(self):
-        cdef Py_ssize_t start = self.pos
-        cdef object value = self._strs()
-        if self.bad:
-            return None
-        return self.shared_devices.setdefault(self.p[start:self.pos], value)
-
-    cdef object _gpus(self):
-        cdef Py_ssize_t start = self.pos
-        cdef Py_ssize_t count = self._array(), i
-        cdef list refs
-        cdef object uuid, index
-        cdef object gpu = self.kinds[1]
-        if count < 0:
-            return None
-        refs = []
-        for i in range(count):
-            if self._array() != 2:
-                self.bad = True
-                return None
-            uuid = self._str()
-            index = self._uint()
-            if self.bad:
-                return None
-            refs.append(_tuple_new(gpu, (uuid, index)))
-        return self.shared_gpus.setdefault(self.p[start:self.pos], tuple(refs))
-
-    cdef object _triples(self, object kind, bint flag):
-        """[str, str, bool] (flag) or [str, str, str] items as `kind` tuples."""
-        cdef Py_ssize_t count = self._array(), i
-        cdef list out
-        cdef object a, b, c
+    cdef object _rows(self, object kind, const char* types):
+        """An array of arrays of len(types) items each (s: str, u: a GPU index, b: bool), as a
+        tuple of `kind` tuples: GPUs, mounts, device specs."""
+        cdef Py_ssize_t count = self._array(), i, j, width = strlen(types)
+        cdef list out, fields
         cdef int f
         if count < 0:
             return None
         out = []
         for i in range(count):
-            if self._array() != 3:
+            if self._array() != width:
                 self.bad = True
                 return None
-            a = self._str()
-            b = self._str()
-            if flag:
-                f = self._byte()
-                if f != 0xc2 and f != 0xc3:
-                    self.bad = True
-                c = f == 0xc3
-            else:
-                c = self._str()
-            if self.bad:
-                return None
-            out.append(_tuple_new(kind, (a, b, c)))
+            fields = []
+            for j in range(width):
+                if types[j] == b"s":
+                    fields.append(self._str())
+                elif types[j] == b"u":
+                    fields.append(self._uint())
+                else:
+                    f = self._byte()
+                    if f != 0xc2 and f != 0xc3:
+                        self.bad = True
+                    fields.append(f == 0xc3)
+                if self.bad:
+                    return None
+            out.append(_tuple_new(kind, tuple(fields)))
         return tuple(out)
 
-    cdef object _response(self):
-        cdef Py_ssize_t start = self.pos
-        cdef int seen = 0, key
-        cdef Py_ssize_t i
-        cdef object envs = None, mounts = None, specs = None, annotations = None, cdi = None
-        if self._map() != 5:
+    cdef object _shared(self, dict shared, Py_ssize_t start, object value):
+        """`value`, or the equal one made earlier from the same bytes (from `start` to here)."""
+        if self.bad:
+            return None
+        return shared.setdefault(self.p[start:self.pos], value)
+
+    cdef list _fields(self, tuple keys):
+        """The values of a map with exactly `keys` (in any order, each once), in the order
+        of `keys`; None (`bad`) for any other map."""
+        cdef Py_ssize_t n = len(keys), i, length, place
+        cdef list values = [None] * n
+        cdef unsigned int seen = 0
+        cdef const char* k
+        if self._count(0x80, 0xde, 0xdf) != n:
             self.bad = True
             return None
-        for i in range(5):
-            key = self._key(1)
-            if self.bad or seen & key:
+        for i in range(n):
+            length = self._str_len()
+            if length < 0:
+                return None
+            k = <const char*>self.p + self.pos
+            self.pos += length
+            place = _place(keys, i, k, length)  # the agent writes them in order: try i first
+            if place < 0:
                 self.bad = True
                 return None
-            seen |= key
-            if key == R_ENVS:
-                envs = self._str_map()
-            elif key == R_MOUNTS:
-                mounts = self._triples(self.kinds[4], True)
-            elif key == R_DEVICES:
-                specs = self._triples(self.kinds[5], False)
-            elif key == R_ANNOTATIONS:
-                annotations = self._str_map()
-            else:
-                cdi = self._strs()
+            if seen & (1u << place):
+                self.bad = True
+                return None
+            seen |= 1u << place
+            values[place] = self._value(keys is _RECORD_KEYS, place)
             if self.bad:
                 return None
-        return self.shared_response.setdefault(
-            self.p[start:self.pos],
-            _tuple_new(self.kinds[3], (envs, mounts, specs, annotations, cdi)))
+        return values
+
+    cdef object _value(self, bint of_record, Py_ssize_t place):
+        """The value of the key at `place` of the record map (of_record) or the response's."""
+        cdef Py_ssize_t start = self.pos
+        cdef object parts
+        if not of_record:
+            if place == F_ENVS or place == F_ANNOTATIONS:
+                return self._str_map()
+            if place == F_MOUNTS:
+                return self._rows(self.kinds[4], b"ssb")
+            if place == F_SPECS:
+                return self._rows(self.kinds[5], b"sss")
+            return self._strs()
+        if place == F_ID:
+            return self._str()
+        if place == F_RESOURCE or place == F_BOOT:  # a str records repeat: one object
+            parts = self._str()
+            return None if self.bad else self.shared_str.setdefault(parts, parts)
+        if place == F_DEVICES:
+            return self._shared(self.shared_devices, start, self._strs())
+        if place == F_GPUS:
+            return self._shared(self.shared_gpus, start, self._rows(self.kinds[1], b"su"))
+        if place == F_TIME:
+            return self._float()
+        if self._nil():  # response, pod and confirmed may be nil
+            return None
+        if place == F_RESPONSE:
+            parts = self._fields(_RESPONSE_KEYS)
+            return None if self.bad else self._shared(
+                self.shared_response, start, _tuple_new(self.kinds[3], tuple(parts)))
+        if place == F_POD:
+            parts = self._strs()
+            if self.bad or len(<tuple>parts) != 3:
+                self.bad = True
+                return None
+            return _tuple_new(self.kinds[2], parts)
+        return self._float()  # confirmed
 
     cdef object read(self, const unsigned char* payload, Py_ssize_t length):
         """The record of a put entry in `payload`, or None (`bad`: not one this reads)."""
-        cdef int seen = 0, key
-        cdef Py_ssize_t i
-        cdef object rid = None, resource = None, devices = None, gpus = None, resp = None
-        cdef object boot = None, pod = None, confirmed = None, parts
-        cdef double t = 0.0
+        cdef list values
         self.p, self.n, self.pos, self.bad = payload, length, 0, False
         # 0x92 0xa3 "put": an array of two whose first item is the str "put"
         if length < 5 or memcmp(payload, b"\x92\xa3put", 5) != 0:
             self.bad = True
             return None
         self.pos = 5
-        if self._map() != 9:
+        values = self._fields(_RECORD_KEYS)
+        if self.bad or self.pos != self.n:  # msgpack would call more bytes extra data
             self.bad = True
             return None
-        for i in range(9):
-            key = self._key(0)
-            if self.bad or seen & key:
-                self.bad = True
-                return None
-            seen |= key
-            if key == K_ID:
-                rid = self._str()
-            elif key == K_RESOURCE:
-                resource = self._common_str()
-            elif key == K_DEVICES:
-                devices = self._devices()
-            elif key == K_GPUS:
-                gpus = self._gpus()
-            elif key == K_RESPONSE:
-                if not self._nil():
-                    resp = self._response()
-            elif key == K_TIME:
-                t = self._float()
-            elif key == K_BOOT:
-                boot = self._common_str()
-            elif key == K_POD:
-                if not self._nil():
-                    parts = self._strs()
-                    if not self.bad:
-                        if len(<tuple>parts) != 3:
-                            self.bad = True
-                        else:
-                            pod = _tuple_new(self.kinds[2], parts)
-            elif not self._nil():
-                confirmed = self._float()
-            if self.bad:
-                return None
-        if self.pos != self.n:  # msgpack would call the rest extra data
-            self.bad = True
-            return None
-        return _tuple_new(self.kinds[0], (rid, resource, devices, gpus, resp, t, boot, pod,
-                                          confirmed))
+        return _tuple_new(self.kinds[0], tuple(values))
 
 
 cdef bint _apply(dict records, list items, tuple kinds) except -1:
