@@ -3,11 +3,11 @@
 Owns: `record` and `replay`, the same functions as the twin with the same answers: the frame
 headers read from the buffer in C, the type checks of every record field as pointer compares,
 records built as tuples of the handed-in record types. A "put" entry in the encoding the agent
-writes (agent.state.frames: fixed-length headers, str map keys, float64 times) is read straight
-from the frame's bytes into the record (`_Put`), with no msgpack map or list in between, and
-the devices, GPUs and response that records repeat are made once per replay and shared; any
-other entry, or a put in another encoding, goes through msgpack.unpackb and `record` as in the
-twin. The checksum is the call the twin makes (zlib.crc32). Must not import anything of
+writes (agent.state.frames: str map keys, float64 times, GPU indexes as unsigned ints) is read
+straight from the frame's bytes into the record (`_Put`), with no msgpack map or list in
+between, and the resource, boot, devices, GPUs and response that records repeat are made once
+per replay and shared; any other entry, or a put in another encoding, goes through
+msgpack.unpackb and `record` as in the twin. The checksum is the call the twin makes (zlib.crc32). Must not import anything of
 `agent`, touch files, or say why it stopped (agent.state.frames.scan replays that frame with
 its checks).
 """
