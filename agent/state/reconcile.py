@@ -140,21 +140,13 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
         gpus = {GpuRef(d.gpu_uuid, int(d.gpu_index)) for ds in devices.values() for d in ds}
         by_uuid = {g.uuid: g for g in gpus}
         by_index = {g.index: g for g in gpus}
-        # records share a few GPU tuples (one per GPU set handed out): each resolved once,
-        # and found again by the tuple's identity (the replay and Allocate share them), else
-        # by its value
+        # records share a few GPU tuples (one per GPU set handed out): each resolved once
         resolved_sets: dict[tuple[GpuRef, ...], tuple[tuple[GpuRef, ...] | None, str]] = {}
-        by_identity: dict[int, tuple] = {}
         for r in records:
-            seen = by_identity.get(id(r.gpus))
-            if seen is not None and seen[0] is r.gpus:
-                known = seen[1]
-            else:
-                known = resolved_sets.get(r.gpus)
-                if known is None:
-                    known = resolved_sets[r.gpus] = _resolve_gpus(r.gpus, by_uuid, by_index,
-                                                                  keyed_by)
-                by_identity[id(r.gpus)] = (r.gpus, known)
+            known = resolved_sets.get(r.gpus)
+            if known is None:
+                known = resolved_sets[r.gpus] = _resolve_gpus(r.gpus, by_uuid, by_index,
+                                                              keyed_by)
             resolved, note = known
             if resolved is None:
                 dropped.append((r, note))
