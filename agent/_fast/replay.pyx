@@ -7,9 +7,9 @@ writes (agent.state.frames: str map keys, float64 times, GPU indexes as unsigned
 straight from the frame's bytes into the record (`_Put`), with no msgpack map or list in
 between, and the resource, boot, devices, GPUs and response that records repeat are made once
 per replay and shared; any other entry, or a put in another encoding, goes through
-msgpack.unpackb and `record` as in the twin. The checksum is the call the twin makes (zlib.crc32). Must not import anything of
-`agent`, touch files, or say why it stopped (agent.state.frames.scan replays that frame with
-its checks).
+msgpack.unpackb and `record` as in the twin. The checksum is the call the twin makes
+(zlib.crc32). Must not import anything of `agent`, touch files, or say why it stopped
+(agent.state.frames.scan replays that frame with its checks).
 """
 
 import zlib
@@ -232,6 +232,9 @@ cdef class _Put:
     cdef inline Py_ssize_t _array(self) noexcept:
         return self._count(0x90, 0xdc, 0xdd)
 
+    cdef inline Py_ssize_t _map(self) noexcept:
+        return self._count(0x80, 0xde, 0xdf)
+
     cdef inline bint _nil(self) noexcept:
         """Whether a nil is next (consumed if so)."""
         if self.pos < self.n and self.p[self.pos] == 0xc0:
@@ -294,7 +297,7 @@ cdef class _Put:
         return tuple(out)
 
     cdef object _str_map(self):
-        cdef Py_ssize_t count = self._count(0x80, 0xde, 0xdf), i
+        cdef Py_ssize_t count = self._map(), i
         cdef dict out = {}
         cdef object k
         if count < 0:
@@ -350,7 +353,7 @@ cdef class _Put:
         cdef list values = [None] * n
         cdef unsigned int seen = 0
         cdef const char* k
-        if self._count(0x80, 0xde, 0xdf) != n:
+        if self._map() != n:
             self.bad = True
             return None
         for i in range(n):

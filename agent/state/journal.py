@@ -147,6 +147,7 @@ class Journal:
         self.clock = clock
         self.sync_interval = sync_interval
         self._records: dict[str, Record] = {}
+        # the state below; entered as the lock itself (in C), waited on through _wait/_notify
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # threads in _wait(): notify only when there is one (the usual none)
@@ -208,15 +209,15 @@ class Journal:
             except OSError as exc:
                 log.warning("cannot remove %s: %s", tmp, exc)
         rewrite = self._load_file()
-        with self._cond:
+        with self._lock:
             self.version += 1
         if not self.blocked:
-            with self._cond:
+            with self._lock:
                 self._writing = True
             try:
                 error = self._open(rewrite)
             finally:
-                with self._cond:
+                with self._lock:
                     self._writing = False
             if error is None and self.migrated_from:
                 self._retire_legacy()
@@ -331,19 +332,19 @@ class Journal:
 
     def records(self) -> tuple[Record, ...]:
         """Every record, oldest first."""
-        with self._cond:
+        with self._lock:
             # in the order written, mostly: the sort is close to linear
             return tuple(sorted(self._records.values(), key=by_age))
 
     def mark(self) -> None:
         """Start noting the IDs appended from now on (`fresh()`): a reconciliation marks
         before it asks kubelet, so it never judges a record by a listing older than it."""
-        with self._cond:
+        with self._lock:
             self._fresh = set()
 
     def fresh(self) -> frozenset[str]:
         """IDs appended since the last `mark()` (it stays marked)."""
-        with self._cond:
+        with self._lock:
             return frozenset(self._fresh or ())
 
     def add_listener(self, fn: Callable[[], None]) -> None:
@@ -352,7 +353,7 @@ class Journal:
         self._listeners.append(fn)
 
     def status(self) -> dict:
-        with self._cond:
+        with self._lock:
             records = list(self._records.values())
             version, entries, size, synced = self.version, self._entries, self._size, \
                 self._synced
@@ -449,7 +450,7 @@ class Journal:
         write failed (nothing changed then: the next reconciliation finds it all again)."""
         adopted = {r.id for r in outcome.adopted}
         out: list[bytes] = []
-        with self._cond:
+        with self._lock:
             drop = [r.id for r, _ in outcome.dropped if r.id in self._records]
             update = []
             for r in outcome.kept:
@@ -475,7 +476,7 @@ class Journal:
 
         if not out:
             if update:
-                with self._cond:
+                with self._lock:
                     change(self._records)
                     self.version += 1
             return False
@@ -498,13 +499,13 @@ class Journal:
 
     def close(self) -> None:
         """Stop the worker, sync, close the file."""
-        with self._cond:
+        with self._lock:
             self._stop = True
             self._notify()
         self._wake_worker.set()
         if self._worker is not None:
             self._worker.join(30)
-        with self._cond:
+        with self._lock:
             while self._writing:
                 self._wait()
             self._writing = True
@@ -515,13 +516,13 @@ class Journal:
                     os.close(self._fd)
                     self._fd = -1
         finally:
-            with self._cond:
+            with self._lock:
                 self._writing = False
                 self._notify()
 
     def _submit(self, out: list[bytes], change: Callable[[dict], None], count: bool = True
                 ) -> None:
-        with self._lock:  # the condition's lock, entered in C
+        with self._lock:
             if self.blocked:
                 raise StateError(self.blocked)
             batch = self._batch
@@ -668,7 +669,7 @@ class Journal:
         while True:
             self._wake_worker.wait(self.sync_interval or None)
             self._wake_worker.clear()
-            with self._cond:
+            with self._lock:
                 if self._stop:
                     return
                 compact, self._compact_wanted = self._compact_wanted, False
@@ -685,7 +686,7 @@ class Journal:
     def _compact(self) -> None:
         """Rewrite the live records to a temp file while appends go on, then add what was
         appended meanwhile and rename it over the journal."""
-        with self._cond:
+        with self._lock:
             while self._writing:
                 self._wait()
             if self._fd < 0 or self.blocked:
@@ -704,7 +705,7 @@ class Journal:
                                                    self.clock())):
                 size += _write_all(fd, chunk)
             os.fdatasync(fd)
-            with self._cond:  # the writer role for the switch: appends wait this long
+            with self._lock:  # the writer role for the switch: appends wait this long
                 while self._writing:
                     self._wait()
                 self._writing = True
@@ -718,7 +719,7 @@ class Journal:
                     old, self._fd, fd = self._fd, fd, -1
                     os.close(old)
             finally:
-                with self._cond:
+                with self._lock:
                     if fd < 0:  # switched
                         self._size = self._synced = size
                         self._entries = len(snapshot) + sum(n for _, n in since)
@@ -726,7 +727,7 @@ class Journal:
                     self._writing = False
                     self._notify()
         except OSError as exc:
-            with self._cond:
+            with self._lock:
                 self._since = None
             log.error("cannot compact the journal %s (%s); appending to it as it is",
                       self.path, exc)
