@@ -4,7 +4,9 @@ when something does.
 
 Each case runs in a fresh interpreter (the test process has long imported asyncio), and the
 agent case checks the running `gpu-agent run` from outside, through /proc/PID/maps, as an
-operator would: no ssl and no _asyncio extension mapped after registration and Allocates.
+operator would: no ssl, no _asyncio extension and no OpenSSL (hashlib: only a schema-1
+checkpoint or an adoption from podresources needs it, agent/state/checkpoint.py) mapped after
+registration and Allocates.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def test_nothing_is_deferred_once_imported():
     assert got == {"same": True, "loaded": True}
 
 
-def test_the_running_agent_never_maps_ssl_or_the_asyncio_extension():
+def test_the_running_agent_never_maps_ssl_openssl_or_the_asyncio_extension():
     with Node() as node:
         agent = node.agent()
         devices = agent.wait_registered().devices
@@ -215,5 +217,6 @@ def test_the_running_agent_never_maps_ssl_or_the_asyncio_extension():
             assert agent.allocate([device.id]).container_responses
         with open(f"/proc/{agent.pid}/maps") as f:
             mapped = {line.split()[-1].rsplit("/", 1)[-1] for line in f if "/" in line}
-        assert not [m for m in mapped if m.startswith(("_ssl", "libssl", "_asyncio"))], mapped
+        assert not [m for m in mapped if m.startswith(("_ssl", "libssl", "_asyncio", "_hashlib",
+                                                       "libcrypto"))], mapped
         assert agent.stop() == 0

@@ -21,7 +21,6 @@ agent.state.reconcile matches them to pods).
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -145,8 +144,17 @@ def record_data(r: Record) -> dict:
     }
 
 
+def _sha256(data: bytes):
+    """hashlib.sha256(data), hashlib imported here: it loads OpenSSL's libcrypto (3.8 MB
+    resident), and only a version-1 file needs it (read once, to migrate it to the journal,
+    whose frames use CRC-32)."""
+    import hashlib
+
+    return hashlib.sha256(data)
+
+
 def _digest(version: int, body: bytes) -> bytes:
-    return hashlib.sha256(b"%d:" % version + body).digest()
+    return _sha256(b"%d:" % version + body).digest()
 
 
 def pack_record(r: Record) -> bytes:
@@ -174,7 +182,7 @@ def encode_chunks(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_recor
         p.pack("records"), p.pack_array_header(len(cp.records)),
         *[packed(r) for r in cp.records],
     ]
-    digest = hashlib.sha256(b"%d:" % VERSION)
+    digest = _sha256(b"%d:" % VERSION)
     for chunk in body:
         digest.update(chunk)
     # the frame as msgpack.packb({"format", "version", "sha256", "body"}) writes it, with the

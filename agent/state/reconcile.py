@@ -28,7 +28,6 @@ The rules (docs/state.md says them for operators):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -112,6 +111,8 @@ def _resolve_gpus(gpus: tuple[GpuRef, ...], by_uuid: dict, by_index: dict, keyed
 
 def adopted_id(e: PodDevices) -> str:
     """A stable record ID for an adopted container (the same on every reconciliation)."""
+    import hashlib  # here: it loads OpenSSL (3.8 MB), and only an adoption needs it
+
     key = "\0".join((e.resource, e.namespace, e.name, e.container, *sorted(e.device_ids)))
     return "pr-" + hashlib.sha256(key.encode()).hexdigest()[:29]
 
