@@ -38,10 +38,11 @@ REGISTER_TIMEOUT_S = 5.0
 # Threads per resource's server: its ListAndWatch stream (two while kubelet re-registers) and
 # the calls kubelet makes one at a time. Not more: with 16, 64 concurrent callers got a fifth
 # to a quarter fewer Allocates a second through than with 4, while the bare grpcio server
-# did the same at either count (bench/bench_floor.py). The journal makes the difference: an
+# did the same at either count (bench/bench_floor.py). The likely cause is the journal: an
 # Allocate lets go of Python's lock while its entry is written, and the threads waiting for
 # the lock each take a turn (the journal left out, 16 threads came within 15-20% of the bare
-# server). More callers than threads queue in gRPC's core, not in Python.
+# server; 4 threads without it were not measured). More callers than threads queue in
+# gRPC's core, not in Python.
 WORKERS = 4
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
