@@ -89,6 +89,43 @@ def test_a_call_nobody_waits_for_is_noticed_when_its_budget_passes(guard):
     assert future.result(WAIT) is None
 
 
+def test_calls_handed_over_together_run_in_turn_on_one_worker(guard):
+    outcomes = guard.run_each("telemetry", [(gpu, threading.current_thread, ()) for gpu in
+                                            range(8)], timeout=WAIT)
+    threads = {future.result(0) for future in outcomes}
+    assert len(threads) == 1 and threading.current_thread() not in threads
+    assert guard.not_answering() == {}
+
+
+def test_calls_behind_one_that_hangs_are_run_on_other_workers(guard):
+    """A scrape of 8 GPUs where GPU 2's call hangs: the other 7 answer while it hangs, GPU
+    2's is left running and the GPU marked not answering at the NVML budget."""
+    held = Held()
+    calls = [(gpu, held if gpu == 2 else threading.current_thread, ()) for gpu in range(8)]
+    outcomes = guard.run_each("telemetry", calls, timeout=0.1)  # waits less than the budget
+    answered = [future.result(WAIT) for gpu, future in enumerate(outcomes) if gpu != 2]
+    assert not outcomes[2].done()
+    assert len(answered) == 7
+    assert len(set(answered[:2])) == 1  # GPUs 0 and 1: before it, on the worker in turn
+    assert answered[0] not in answered[2:]  # GPUs 3 to 7: not left behind it
+    assert guard.on_hung.wait() == [(2, "telemetry")]
+    held.release.set()
+    assert guard.on_answered.wait() == [(2, "telemetry")]
+    assert outcomes[2].result(WAIT) is None
+
+
+def test_a_call_handed_over_on_a_gpu_not_answering_fails_without_being_made(guard):
+    held = Held()
+    with pytest.raises(NvmlNotAnswering):
+        guard.call(4, "the held call", held)
+    again = Held()
+    outcomes = guard.run_each("telemetry", [(3, len, ("ab",)), (4, again, ())], timeout=WAIT)
+    assert outcomes[0].result(0) == 2
+    assert isinstance(outcomes[1].exception(0), NvmlNotAnswering) and again.started == 0
+    held.release.set()
+    assert guard.on_answered.wait() == [(4, "the held call")]
+
+
 def test_a_call_that_returned_keeps_nothing_of_its_result():
     """A scrape every 10 ms once kept a budget's worth of readings alive (the watcher dropped
     returned calls only at the earliest deadline): RSS grew with the scrape rate."""

@@ -135,26 +135,27 @@ class Exporter:
             return {}
         if self.d.nvml.attempts != self._nvml_attempts:  # NVML initialised again: new handles
             self.reader, self._nvml_attempts = TelemetryReader(), self.d.nvml.attempts
-        submitted = {}
+        asked = []
         for uuid in gpus:
             busy = self._inflight.get(uuid)
             if busy is not None and not busy.done():
                 self._count(gpus[uuid], uuid, "busy")
-                continue
-            try:
-                submitted[uuid] = self._inflight[uuid] = GUARD.submit(
-                    gpus[uuid], "telemetry", self.reader.read, uuid)
-            except NvmlNotAnswering:  # a call on it (from anywhere) outlived the budget
-                self._count(gpus[uuid], uuid, "busy")
-        done, _ = futures.wait(submitted.values(), timeout=self.budget_s)
+            else:
+                asked.append(uuid)
+        outcomes = GUARD.run_each("telemetry", [(gpus[uuid], self.reader.read, (uuid,))
+                                                for uuid in asked], self.budget_s)
         readings = {}
-        for uuid, future in submitted.items():
-            if future not in done:
+        for uuid, future in zip(asked, outcomes):
+            if not future.done():
+                self._inflight[uuid] = future
                 self._count(gpus[uuid], uuid, "timeout")
                 log.warning("metrics: GPU %d %s: NVML did not answer within %g s; left out",
                             gpus[uuid], uuid, self.budget_s)
                 continue
-            del self._inflight[uuid]
+            self._inflight.pop(uuid, None)
+            if isinstance(future.exception(), NvmlNotAnswering):  # a call on it (from
+                self._count(gpus[uuid], uuid, "busy")  # anywhere) outlived the NVML budget
+                continue
             if future.exception() is not None:  # a bug: this GPU is left out of the scrape
                 self._count(gpus[uuid], uuid, "error")
                 log.error("metrics: reading GPU %d %s failed", gpus[uuid], uuid,

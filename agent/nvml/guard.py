@@ -11,9 +11,11 @@ monitor's recovery probe finds the others back). A watcher thread notices a call
 waits for (a scrape that gave up on it) reaching its budget; it sleeps while no call is in
 flight, so an idle agent stays idle. A thread that must keep doing
 something while it waits (the daemon's main loop pings the systemd watchdog) registers it as
-`while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. Also `Workers`, the
-daemon threads the calls run on (not a ThreadPoolExecutor: its threads are joined at
-interpreter exit, so a hung call would hold up the agent's stop).
+`while_waiting`: its calls wait in WAIT_SLICE_S slices and run it between. A caller with
+many GPUs to read (a scrape) hands them over together (`run_each`): one worker reads them in
+turn, and those whose turn has not come after ALONE_AFTER_S are handed out one by one. Also
+`Workers`, the daemon threads the calls run on (not a ThreadPoolExecutor: its threads are
+joined at interpreter exit, so a hung call would hold up the agent's stop).
 
 Must not know what a call does or decide what a hang means for the GPU's devices (the health
 monitor does), nor hold its lock while calling back or calling NVML.
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Hashable, str], None]
 # How often a `while_waiting` thread's hook runs while its call is in flight.
 WAIT_SLICE_S = 0.25
+# How long `run_each`'s calls wait for their turn on the one worker before they are handed
+# out one by one, as `submit` hands out a call.
+# Eight simulated GPUs are read in 1-2 ms; this leaves a real GPU's slow queries room and a
+# hung GPU's calls behind it hold up a scrape this long, not its budget.
+ALONE_AFTER_S = 0.05
 
 
 class Workers:
@@ -74,6 +81,16 @@ class Workers:
             del future, fn, args  # an idle worker keeps no result alive
             with self._lock:
                 self._idle += 1
+
+
+class _Turn:
+    """One of `run_each`'s calls: taken once, by the worker in turn or by a worker of its own."""
+    __slots__ = ("gpu", "fn", "args", "future", "taken")
+
+    def __init__(self, gpu: Hashable, fn: Callable[..., Any], args: tuple):
+        self.gpu, self.fn, self.args = gpu, fn, args
+        self.future: futures.Future = futures.Future()
+        self.taken = False
 
 
 class _Call:
@@ -134,6 +151,28 @@ class Guard:
         NvmlNotAnswering at once while the GPU has a call past its budget."""
         return self._start(gpu, what, fn, args).future
 
+    def run_each(self, what: str, calls: list[tuple[Hashable, Callable[..., Any], tuple]],
+                 timeout: float) -> list[futures.Future]:
+        """fn(*args) for each (gpu, fn, args), waited for at most `timeout` seconds: their
+        futures, in order, done or not. One worker runs them in turn (a scrape of 8 GPUs on 8
+        workers spent half its CPU waking them: bench/bench_metrics.py); those whose turn has
+        not come after ALONE_AFTER_S are handed out one by one, as `submit` hands out one.
+        Each call is under the budget from when it starts; one on a GPU with a call past its
+        budget fails with NvmlNotAnswering without being made."""
+        turns = [_Turn(gpu, fn, args) for gpu, fn, args in calls]
+        outcomes = [t.future for t in turns]
+        if not turns:
+            return outcomes
+        deadline = time.monotonic() + timeout
+        self._workers.submit(self._in_turn, what, turns)
+        _, pending = futures.wait(outcomes, timeout=min(timeout, ALONE_AFTER_S))
+        if pending:
+            for t in turns:
+                if self._take(t):
+                    self._workers.submit(self._run, what, t)
+            futures.wait(outcomes, timeout=max(0.0, deadline - time.monotonic()))
+        return outcomes
+
     def not_answering(self) -> dict[Hashable, tuple[str, float]]:
         """GPU -> (what has not returned, since when: time.monotonic()), for every GPU with
         a call past its budget."""
@@ -149,8 +188,13 @@ class Guard:
             if late:
                 raise NvmlNotAnswering(gpu, what, self.budget_s, now - late[0].started)
         c = _Call(gpu, what, now, now + self.budget_s, self._workers.submit(fn, *args))
+        self._track(c)
+        return c
+
+    def _track(self, c: _Call) -> None:
+        """Watch `c` for its deadline until its future is done."""
         if self.budget_s <= 0:  # no budget: nothing to watch
-            return c
+            return
         with self._cond:
             heapq.heappush(self._deadlines, c)
             if self._watcher is None:
@@ -160,7 +204,36 @@ class Guard:
             elif len(self._deadlines) == 1:  # the watcher sleeps for want of calls
                 self._cond.notify()
         c.future.add_done_callback(lambda _, c=c: self._done(c))
-        return c
+
+    def _take(self, t: _Turn) -> bool:
+        with self._cond:
+            if t.taken:
+                return False
+            t.taken = True
+            return True
+
+    def _in_turn(self, what: str, turns: list[_Turn]) -> None:
+        for t in turns:
+            if self._take(t):
+                self._run(what, t)
+
+    def _run(self, what: str, t: _Turn) -> None:
+        """`t` on this worker, tracked as `_start` tracks a call; the outcome in its future."""
+        now = time.monotonic()
+        with self._cond:
+            late = self._late.get(t.gpu)
+            if late:
+                t.future.set_exception(NvmlNotAnswering(t.gpu, what, self.budget_s,
+                                                        now - late[0].started))
+                return
+        c = _Call(t.gpu, what, now, now + self.budget_s, t.future)
+        self._track(c)
+        if c.future.set_running_or_notify_cancel():
+            try:
+                c.future.set_result(t.fn(*t.args))
+            except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
+                c.future.set_exception(exc)
+        del c, t  # an idle worker keeps no result alive
 
     def _done(self, c: _Call) -> None:
         with self._cond:
