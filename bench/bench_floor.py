@@ -23,8 +23,16 @@ import grpc
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import Section, allocate_concurrently, allocate_timed, percentile, rss_mb, sim_node_env
+from agent.sim.kubelet import SimKubeletClient
+from bench import (
+    KubeletProcess,
+    Section,
+    allocate_concurrently,
+    allocate_timed,
+    percentile,
+    rss_mb,
+    sim_node_env,
+)
 from bench.bench_plugin import Kind, _next, _Run
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"  # a smoke run: a tenth of the calls
@@ -83,8 +91,7 @@ class _Agent:
     def __init__(self, work: str):
         self.work = tempfile.mkdtemp(prefix="a", dir=work)
         kdir, _, env = sim_node_env(self.work)
-        self.kubelet = SimKubelet(kdir)
-        self.kubelet.start()
+        self.kubelet = KubeletProcess(kdir, env)
         client = SimKubeletClient(kdir)
         after = client.state().last_event_seq
         self.run = _Run(self.work, kdir, env)
@@ -134,7 +141,8 @@ def run() -> Section:
         title="Allocate against the gRPC floor (journal on disk), journal growth, memory",
         method=(
             "`gpu-agent run` (default settings, INFO logging to a file, state directory on "
-            f"{fs} under /var/tmp) on the simulated node, and a bare grpcio server answering "
+            f"{fs} under /var/tmp) on the simulated node (its kubelet a process of its own, "
+            "as kubelet is), and a bare grpcio server answering "
             "the agent's own AllocateResponse for the same 2-GPU request (same grpcio, same "
             f"worker count), both subprocesses. 1 caller: {BLOCKS * BLOCK} calls to each in "
             f"{BLOCKS} alternating blocks of {BLOCK}, after 100 warm-up calls each. Growth: a "
