@@ -24,16 +24,9 @@ import grpc
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim.kubelet import SimKubeletClient
-from bench import (
-    KubeletProcess,
-    Section,
-    allocate_concurrently,
-    allocate_timed,
-    percentile,
-    rss_mb,
-    sim_node_env,
-)
+from bench import Section, allocate_concurrently, allocate_timed, percentile, rss_mb, sim_node_env
 from bench.bench_plugin import Kind, _next, _Run
+from bench.kubelet import KubeletProcess
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"  # a smoke run: a tenth of the calls
 SCALE = 10 if QUICK else 1

@@ -31,7 +31,6 @@ from agent.sim import PROFILES_DIR, lib_path
 from agent.sim.kubelet import SimKubeletClient
 from bench import (
     AGENT_COMMAND,
-    KubeletProcess,
     Section,
     allocate_timed,
     cpu_seconds,
@@ -40,6 +39,7 @@ from bench import (
     sim_node_env,
     stop_agent,
 )
+from bench.kubelet import KubeletProcess
 
 SCRAPES = 50
 MORE_SCRAPES = 1000  # then this many more, for the RSS they leave
@@ -342,7 +342,7 @@ def run() -> Section:
     section = Section(
         title="Prometheus endpoint: scrape time, idle cost, Allocate under scrapes",
         method=(f"`gpu-agent run` on the simulated NVML and a simulated kubelet in a process "
-                f"of its own (bench.KubeletProcess), its endpoint on 127.0.0.1, scraped "
+                f"of its own (bench/kubelet.py), its endpoint on 127.0.0.1, scraped "
                 f"with urllib from the bench process sending Prometheus' request (OpenMetrics, "
                 f"gzip; HTTP round trip included). Scrape: "
                 f"{SCRAPES} scrapes after 5 untimed, on dgx1-v100 (8 GPUs) and on a 64-GPU "
