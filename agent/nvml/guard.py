@@ -222,10 +222,10 @@ class Guard:
         now = time.monotonic()
         with self._cond:
             late = self._late.get(t.gpu)
-            if late:
-                t.future.set_exception(NvmlNotAnswering(t.gpu, what, self.budget_s,
-                                                        now - late[0].started))
-                return
+            since = now - late[0].started if late else None
+        if since is not None:  # the future's waiters told with no lock of ours held
+            t.future.set_exception(NvmlNotAnswering(t.gpu, what, self.budget_s, since))
+            return
         c = _Call(t.gpu, what, now, now + self.budget_s, t.future)
         self._track(c)
         if c.future.set_running_or_notify_cancel():
