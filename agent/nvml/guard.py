@@ -73,14 +73,19 @@ class Workers:
     def _work(self) -> None:
         while True:
             future, fn, args = self._tasks.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
-                    future.set_exception(exc)
+            _fulfil(future, fn, args)
             del future, fn, args  # an idle worker keeps no result alive
             with self._lock:
                 self._idle += 1
+
+
+def _fulfil(future: futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+    """fn(*args)'s result or exception into `future`, unless it was cancelled."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
+            future.set_exception(exc)
 
 
 class _Turn:
@@ -181,12 +186,20 @@ class Guard:
 
     # -- inside --------------------------------------------------------------------------------
 
-    def _start(self, gpu: Hashable, what: str, fn: Callable[..., Any], args: tuple) -> _Call:
-        now = time.monotonic()
+    def _refusal(self, gpu: Hashable, what: str, now: float) -> NvmlNotAnswering | None:
+        """The error a call on `gpu` fails with at once while it has a call past its budget."""
         with self._cond:
             late = self._late.get(gpu)
-            if late:
-                raise NvmlNotAnswering(gpu, what, self.budget_s, now - late[0].started)
+            started = late[0].started if late else None
+        if started is None:
+            return None
+        return NvmlNotAnswering(gpu, what, self.budget_s, now - started)
+
+    def _start(self, gpu: Hashable, what: str, fn: Callable[..., Any], args: tuple) -> _Call:
+        now = time.monotonic()
+        refusal = self._refusal(gpu, what, now)
+        if refusal is not None:
+            raise refusal
         c = _Call(gpu, what, now, now + self.budget_s, self._workers.submit(fn, *args))
         self._track(c)
         return c
@@ -220,19 +233,13 @@ class Guard:
     def _run(self, what: str, t: _Turn) -> None:
         """`t` on this worker, tracked as `_start` tracks a call; the outcome in its future."""
         now = time.monotonic()
-        with self._cond:
-            late = self._late.get(t.gpu)
-            since = now - late[0].started if late else None
-        if since is not None:  # the future's waiters told with no lock of ours held
-            t.future.set_exception(NvmlNotAnswering(t.gpu, what, self.budget_s, since))
+        refusal = self._refusal(t.gpu, what, now)
+        if refusal is not None:  # the future's waiters told with no lock of ours held
+            t.future.set_exception(refusal)
             return
         c = _Call(t.gpu, what, now, now + self.budget_s, t.future)
         self._track(c)
-        if c.future.set_running_or_notify_cancel():
-            try:
-                c.future.set_result(t.fn(*t.args))
-            except Exception as exc:  # noqa: BLE001 - the caller reads it from the future
-                c.future.set_exception(exc)
+        _fulfil(c.future, t.fn, t.args)
         del c, t  # an idle worker keeps no result alive
 
     def _done(self, c: _Call) -> None:
