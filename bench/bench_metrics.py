@@ -412,9 +412,8 @@ def run() -> Section:
         section.rows.append([name, _ms(s50), _ms(s99), target, met])
     section.notes.append(
         "Nothing runs between scrapes: NVML is read when Prometheus asks (agent.nvml.telemetry, "
-        "the GPUs in turn on one worker, a 0.5 s budget per scrape), podresources is asked "
-        "then too, and the listener's one thread sleeps in accept(); the HTTP server and "
-        "prometheus_client "
+        "a 0.5 s budget per scrape), podresources is asked then too, and the listener's one "
+        "thread sleeps in accept(); the HTTP server and prometheus_client "
         "are imported at the first scrape (the RSS rows). The Allocate handler's only cost "
         "is its latency histogram (agent/latency.py: a bisect and two additions under an "
         "uncontended lock).")
