@@ -101,10 +101,16 @@ def tail_piece(boot: str) -> bytes:
                     (("boot", boot), ("pod", None), ("confirmed", None)))
 
 
+# msgpack's fixstr head of each length below 32 (a record ID is about 17 ASCII characters):
+# packed here, the Allocate path makes no msgpack Packer (each allocates its own buffer).
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
+
+
 def new_put_frame(record_id: str, time: float, answer: bytes, tail: bytes) -> bytes:
     """put_frame of a new record (no pod yet), from answer_piece and tail_piece."""
-    payload = b"".join((_PUT_HEAD, msgpack.packb(record_id), answer, _K_TIME,
-                        _TIME.pack(0xCB, time), tail))
+    rid = record_id.encode()
+    head = _FIXSTR[len(rid)] if len(rid) < 32 else msgpack.packb(record_id)[:-len(rid)]
+    payload = b"".join((_PUT_HEAD, head, rid, answer, _K_TIME, _TIME.pack(0xCB, time), tail))
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
