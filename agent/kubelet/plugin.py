@@ -79,16 +79,20 @@ def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
 
 
 class _Gpus:
-    """A container's GPUs as the Allocate log line shows them, formatted when written (by
-    agent.logs' writer thread; `by_id` is replaced on a reload, never changed)."""
+    """A container's GPUs as the Allocate log line shows them, formatted when first written
+    (by agent.logs' writer thread; `by_id` is replaced on a reload, never changed) and kept:
+    the answers the manager keeps each carry one, so a repeated answer's line costs the
+    writer no formatting."""
 
-    __slots__ = ("by_id", "ids")
+    __slots__ = ("by_id", "ids", "text")
 
     def __init__(self, by_id: dict, ids: list[str]):
-        self.by_id, self.ids = by_id, ids
+        self.by_id, self.ids, self.text = by_id, ids, None
 
     def __str__(self) -> str:
-        return ", ".join(_device_text(self.by_id[i]) for i in self.ids)
+        if self.text is None:
+            self.text = ", ".join(_device_text(self.by_id[i]) for i in self.ids)
+        return self.text
 
 
 def _device_text(d) -> str:
@@ -113,25 +117,29 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
-        # the messages built for each ContainerResponse the manager keeps (by identity): the
-        # container's, and the whole answer to a one-container request (kubelet's usual)
+        # for each ContainerResponse the manager keeps (by identity): the container's message,
+        # the whole answer to a one-container request (kubelet's usual), and its log line's GPUs
         self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse,
-                                        dp.AllocateResponse]] = {}
+                                        dp.AllocateResponse, _Gpus]] = {}
         self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
         self._preferred_latency = latency.histogram("GetPreferredAllocation",
                                                     self.manager.resource)
 
-    def _message(self, r: ContainerResponse) -> tuple[dp.ContainerAllocateResponse,
-                                                      dp.AllocateResponse]:
+    def _answer(self, r: ContainerResponse, ids: list[str]
+                ) -> tuple[ContainerResponse, dp.ContainerAllocateResponse, dp.AllocateResponse,
+                           _Gpus]:
+        """What `_messages` keeps for `r`, the answer to the container request `ids` (the
+        manager hands the same object for the same request)."""
         hit = self._messages.get(id(r))
         if hit is not None and hit[0] is r:
-            return hit[1], hit[2]
+            return hit
         message = _container_response(r)
-        whole = dp.AllocateResponse(container_responses=[message])
+        hit = (r, message, dp.AllocateResponse(container_responses=[message]),
+               _Gpus(self.manager.by_id, ids))
         if len(self._messages) >= ANSWERS_KEPT:
             self._messages.clear()
-        self._messages[id(r)] = (r, message, whole)
-        return message, whole
+        self._messages[id(r)] = hit
+        return hit
 
     def GetDevicePluginOptions(self, request, context):
         return self.plugin.options
@@ -189,12 +197,13 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         except StateError as exc:  # not recorded: kubelet must not start the container
             log.error("%s: Allocate failed: %s", self.manager.resource, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        for container in ids:  # the line operators grep for, made off this thread
+        answers = [self._answer(r, container) for r, container in zip(responses, ids)]
+        for answer in answers:  # the line operators grep for, made off this thread
             logs.later(log, logging.INFO, "%s: allocated to a container: %s",
-                       self.manager.resource, _Gpus(self.manager.by_id, container))
-        if len(responses) == 1:
-            return self._message(responses[0])[1]  # sent as is: nothing changes it
-        return dp.AllocateResponse(container_responses=[self._message(r)[0] for r in responses])
+                       self.manager.resource, answer[3])
+        if len(answers) == 1:
+            return answers[0][2]  # sent as is: nothing changes it
+        return dp.AllocateResponse(container_responses=[a[1] for a in answers])
 
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()
