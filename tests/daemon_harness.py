@@ -175,13 +175,14 @@ class Agent:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_log(self, text: str, timeout: float = WAIT) -> str:
-        """Wait until the log holds `text` (the process may have exited)."""
+    def wait_log(self, text: str, timeout: float = WAIT, times: int = 1) -> str:
+        """Wait until the log holds `text`, `times` times or more (the process may have
+        exited)."""
         deadline = time.monotonic() + timeout
-        while text not in self.log:
+        while self.log.count(text) < times:
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} in the agent's log within {timeout:g} s:\n"
-                                     f"{self.log}")
+                raise AssertionError(f"{text!r} not {times} times in the agent's log within "
+                                     f"{timeout:g} s:\n{self.log}")
             time.sleep(0.05)
         return self.log
 
