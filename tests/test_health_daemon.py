@@ -137,14 +137,20 @@ def test_reset_class_error_recovers_after_the_quiet_period(node, fast_impl):
 
 
 def test_reboot_class_error_survives_restarts_until_the_boot_id_changes(node, fast_impl):
+    health_json = os.path.join(node.state, "health.json")
     agent, seq = start(node, "--recovery-quiet-period", "0s")
+    assert not os.path.exists(health_json)  # no fault recorded: nothing to write at start
     control.inject_xid(node.ctl, 5, 79)
     assert unhealthy(next_snapshot(node, agent, seq)) == {UUIDS[5]}
     assert agent.stop() == 0
-    # same boot: the restarted agent's first snapshot already withholds GPU 5
+    written = os.stat(health_json)
+    # same boot: the restarted agent's first snapshot already withholds GPU 5, and the file,
+    # which says just that, is left as it is (an atomic rewrite would be a new inode)
     agent, seq = start(node, "--recovery-quiet-period", "0s")
     assert unhealthy(first_snapshot(node)) == {UUIDS[5]}
     assert agent.stop() == 0
+    kept = os.stat(health_json)
+    assert (kept.st_ino, kept.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
     # a reboot: the boot ID changed, the fault is cleared
     Path(node.boot_file).write_text("boot-b\n")
     agent, seq = start(node, "--recovery-quiet-period", "0s")

@@ -90,6 +90,12 @@ def reset_may_recover(fault: Fault, now: float, quiet_s: float) -> bool:
                                       now - fault.last_event >= quiet_s)
 
 
+def _document(faults: list[Fault]) -> dict:
+    """The health.json document of `faults`."""
+    return {"version": FORMAT_VERSION,
+            "faults": sorted((f.to_data() for f in faults), key=lambda d: d["device_id"])}
+
+
 class FaultFile:
     """STATE_DIR/health.json: the faults to keep across restarts, with the boot they were
     recorded in. `error` holds the last problem reading or writing it ("" when none)."""
@@ -111,6 +117,7 @@ class FaultFile:
                 raise ValueError(f"not a version {FORMAT_VERSION} health state document")
             faults = [Fault.from_data(item) for item in doc.get("faults", [])]
         except FileNotFoundError:
+            self._last = _document([])  # no file is no fault: none to write until one comes
             return [], []
         except (OSError, ValueError, KeyError, TypeError) as exc:
             aside = f"{self.path}.corrupt-{int(time.time())}"
@@ -123,18 +130,19 @@ class FaultFile:
                           f"starting with no recorded faults")
             log.error("%s", self.error)
             return [], []
+        self._last = _document(faults)  # what the file says: saving the same writes nothing
         kept_faults, cleared = [], []
         for fault in faults:
             (cleared if boot_id and fault.boot_id != boot_id else kept_faults).append(fault)
         return kept_faults, cleared
 
     def save(self, faults: list[Fault]) -> None:
-        """Write the faults (atomically); only when they differ from the last write. After a
-        failed write the monitor calls this again until one succeeds."""
+        """Write the faults (atomically); only when they differ from what the file holds (as
+        last read or written). After a failed write the monitor calls this again until one
+        succeeds."""
         if self.path is None:
             return
-        doc = {"version": FORMAT_VERSION,
-               "faults": sorted((f.to_data() for f in faults), key=lambda d: d["device_id"])}
+        doc = _document(faults)
         if doc == self._last:
             return
         try:
