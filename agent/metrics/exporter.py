@@ -153,13 +153,13 @@ class Exporter:
                             gpus[uuid], uuid, self.budget_s)
                 continue
             self._inflight.pop(uuid, None)
-            if isinstance(future.exception(), NvmlNotAnswering):  # a call on it (from
-                self._count(gpus[uuid], uuid, "busy")  # anywhere) outlived the NVML budget
+            error = future.exception()
+            if isinstance(error, NvmlNotAnswering):  # a call on it (from anywhere) outlived
+                self._count(gpus[uuid], uuid, "busy")  # the NVML budget
                 continue
-            if future.exception() is not None:  # a bug: this GPU is left out of the scrape
+            if error is not None:  # a bug: this GPU is left out of the scrape
                 self._count(gpus[uuid], uuid, "error")
-                log.error("metrics: reading GPU %d %s failed", gpus[uuid], uuid,
-                          exc_info=future.exception())
+                log.error("metrics: reading GPU %d %s failed", gpus[uuid], uuid, exc_info=error)
                 continue
             reading = future.result()
             if reading.errors:
