@@ -90,6 +90,10 @@ def test_sighup_applies_a_changed_config_behind_the_running_server(node):
     agent.wait_registered(1)
     ids, before = admit_response(node, "before")
     assert before.envs["NVIDIA_VISIBLE_DEVICES"] == ids[0] and not before.cdi_devices
+    # the same request before and after, as bytes the agent has seen (it keeps their IDs)
+    before_ids = ids
+    direct = agent.allocate(ids).container_responses[0]
+    assert direct.envs["NVIDIA_VISIBLE_DEVICES"] == ids[0]
 
     node.write("config.yaml", "version: v1\nflags:\n  plugin:\n    deviceListStrategy: cdi-cri\n"
                               "    deviceIDStrategy: index\n")
@@ -100,6 +104,9 @@ def test_sighup_applies_a_changed_config_behind_the_running_server(node):
     ids, after = admit_response(node, "after")
     assert "NVIDIA_VISIBLE_DEVICES" not in after.envs
     assert [c.name for c in after.cdi_devices] == [f"nvidia.com/gpu={INDEX[ids[0]]}"]
+    direct = agent.allocate(before_ids).container_responses[0]
+    assert "NVIDIA_VISIBLE_DEVICES" not in direct.envs
+    assert [c.name for c in direct.cdi_devices] == [f"nvidia.com/gpu={INDEX[before_ids[0]]}"]
     assert read_status(node.state)["reloads"] == 1
     assert agent.stop() == 0
 

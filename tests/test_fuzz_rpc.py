@@ -4,7 +4,8 @@ duplicates, unicode, empty lists, sizes past what is available, must-include IDs
 available ones) and sends them over the agent's real unix socket to one `gpu-agent run` on the
 simulated node. Every answer must be a valid one or INVALID_ARGUMENT with a reason, and after
 each request the agent must still answer a well-formed Allocate and keep its ListAndWatch
-stream to the simulated kubelet. A few huge requests (10⁵ IDs) are sent as fixed cases.
+stream to the simulated kubelet. A few huge requests (10⁵ IDs) are sent as fixed cases, and
+Allocate also gets arbitrary bytes (the agent decodes its requests itself).
 
 Valid means what kubelet relies on: a preferred allocation of exactly the requested size,
 from the available IDs, with every must-include ID; one Allocate response per container,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,6 +92,52 @@ def test_allocate_answers_validly_or_refuses(agent, containers):
             visible = got.envs["NVIDIA_VISIBLE_DEVICES"]
             assert set(visible.split(",")) == set(asked), (asked, visible)
     still_serving(node, running)
+
+
+def allocate_bytes(running, raw: bytes) -> bytes:
+    """Allocate with `raw` as the request's bytes on the wire, as a client with another
+    protobuf library (or a broken one) might send; the answer's bytes."""
+    with grpc.insecure_channel(f"unix:{running.node.plugin_socket}",
+                               options=[("grpc.enable_http_proxy", 0)]) as channel:
+        return channel.unary_unary("/v1beta1.DevicePlugin/Allocate")(raw, timeout=WAIT)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.one_of(st.binary(max_size=120), id_lists.map(
+    lambda ids: dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(
+        devices_ids=ids)]).SerializeToString() + b"\x12\x03abc")))
+def test_allocate_of_any_bytes_answers_as_their_request_or_refuses(agent, raw):
+    # The agent decodes Allocate's bytes itself (agent.kubelet.plugin._add_servicer): bytes
+    # that are no AllocateRequest are refused with a reason, and any others (unknown fields
+    # included) answered as protobuf reads them.
+    node, running = agent
+    try:
+        request = dp.AllocateRequest.FromString(raw)
+    except DecodeError:
+        request = None
+    try:
+        resp = dp.AllocateResponse.FromString(allocate_bytes(running, raw))
+    except grpc.RpcError as exc:
+        refused_with_a_reason(exc)
+        if request is None:
+            assert "not a valid AllocateRequest" in exc.details()
+    else:
+        assert request is not None, "bytes that are no AllocateRequest were answered"
+        assert len(resp.container_responses) == len(request.container_requests)
+        for asked, got in zip(request.container_requests, resp.container_responses):
+            visible = got.envs["NVIDIA_VISIBLE_DEVICES"]
+            assert set(visible.split(",")) == set(asked.devices_ids), (asked, visible)
+    still_serving(node, running)
+
+
+def test_the_same_request_bytes_again_get_the_same_answer(agent):
+    node, running = agent
+    raw = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(
+        devices_ids=UUIDS[2:4])]).SerializeToString()
+    first, again = allocate_bytes(running, raw), allocate_bytes(running, raw)
+    assert first == again
+    got = dp.AllocateResponse.FromString(again).container_responses[0]
+    assert got.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(UUIDS[2:4])
 
 
 @settings(max_examples=50, deadline=None)

@@ -4,7 +4,8 @@ Owns: the socket of one resource in kubelet's device-plugin directory (created m
 removed on stop), the DevicePlugin service (GetDevicePluginOptions, ListAndWatch,
 GetPreferredAllocation, Allocate, PreStartContainer) answering from an
 `agent.rm.manager.ResourceManager`, and the Register call towards kubelet.sock. Protobuf in,
-plain data to the manager, protobuf out: a RequestError from the manager becomes
+plain data to the manager, protobuf out (Allocate decodes and encodes its own bytes, kept per
+request and per answer: `_add_servicer`): a RequestError from the manager becomes
 INVALID_ARGUMENT with its reason, a StateError (the allocation could not be recorded)
 UNAVAILABLE, and the server keeps serving. Must not call NVML (it never imports agent.nvml)
 nor decide lifecycle: `agent.kubelet.registrar` starts, stops and re-registers.
@@ -19,6 +20,7 @@ import time
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from agent import latency, logs
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
@@ -44,6 +46,10 @@ REGISTER_TIMEOUT_S = 5.0
 # server; 4 threads without it were not measured). More callers than threads queue in
 # gRPC's core, not in Python.
 WORKERS = 4
+SERVICE = "v1beta1.DevicePlugin"
+# An Allocate request's bytes are kept (as the key to its decoded IDs) up to this length: a
+# request for a whole 8-GPU node is some 400 bytes; a rare huge one is decoded each time.
+REQUEST_KEPT_BYTES = 4096
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
@@ -118,23 +124,27 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         self.plugin = plugin
         self.manager = plugin.manager
         # for each ContainerResponse the manager keeps (by identity): the container's message,
-        # the whole answer to a one-container request (kubelet's usual), and its log line's GPUs
+        # the whole answer to a one-container request (kubelet's usual) as sent on the wire,
+        # and its log line's GPUs
         self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse,
-                                        dp.AllocateResponse, _Gpus]] = {}
+                                        bytes, _Gpus]] = {}
+        # the device IDs of each Allocate request seen, by its bytes on the wire: kubelet asks
+        # for the same few device sets again and again, and a repeat is then decoded by a dict
+        # lookup instead of protobuf (message objects made, each ID copied out)
+        self._requests: dict[bytes, tuple[tuple[str, ...], ...]] = {}
         self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
         self._preferred_latency = latency.histogram("GetPreferredAllocation",
                                                     self.manager.resource)
 
-    def _answer(self, r: ContainerResponse, ids: list[str]
-                ) -> tuple[ContainerResponse, dp.ContainerAllocateResponse, dp.AllocateResponse,
-                           _Gpus]:
+    def _answer(self, r: ContainerResponse, ids: tuple[str, ...]
+                ) -> tuple[ContainerResponse, dp.ContainerAllocateResponse, bytes, _Gpus]:
         """What `_messages` keeps for `r`, the answer to the container request `ids` (the
         manager hands the same object for the same request)."""
         hit = self._messages.get(id(r))
         if hit is not None and hit[0] is r:
             return hit
         message = _container_response(r)
-        hit = (r, message, dp.AllocateResponse(container_responses=[message]),
+        hit = (r, message, dp.AllocateResponse(container_responses=[message]).SerializeToString(),
                _Gpus(self.manager.by_id, ids))
         if len(self._messages) >= ANSWERS_KEPT:
             self._messages.clear()
@@ -187,8 +197,29 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         return dp.PreferredAllocationResponse(container_responses=[
             dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
 
-    def _allocate(self, request, context):
-        ids = [list(c.devices_ids) for c in request.container_requests]
+    def _request_ids(self, raw: bytes, context) -> tuple[tuple[str, ...], ...]:
+        """The device IDs of each container request in the AllocateRequest `raw`."""
+        ids = self._requests.get(raw)
+        if ids is not None:
+            return ids
+        try:
+            request = dp.AllocateRequest.FromString(raw)
+        except DecodeError as exc:
+            log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
+                        self.manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the request is not a valid AllocateRequest: {exc}")
+        ids = tuple(tuple(c.devices_ids) for c in request.container_requests)
+        if len(raw) <= REQUEST_KEPT_BYTES:
+            if len(self._requests) >= ANSWERS_KEPT:
+                self._requests.clear()
+            self._requests[raw] = ids
+        return ids
+
+    def _allocate(self, raw: bytes, context) -> bytes:
+        """Allocate on the wire's bytes (see `_add_servicer`): the request decoded through
+        `_requests`, the answer sent as kept in `_messages`."""
+        ids = self._request_ids(raw, context)
         try:
             responses = self.manager.allocate(ids)
         except RequestError as exc:
@@ -202,11 +233,39 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             logs.later(log, logging.INFO, "%s: allocated to a container: %s",
                        self.manager.resource, answer[3])
         if len(answers) == 1:
-            return answers[0][2]  # sent as is: nothing changes it
-        return dp.AllocateResponse(container_responses=[a[1] for a in answers])
+            return answers[0][2]
+        return dp.AllocateResponse(container_responses=[a[1] for a in answers]
+                                   ).SerializeToString()
 
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()
+
+
+def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
+    """dp_grpc.add_DevicePluginServicer_to_server, with Allocate taking and returning the
+    bytes on the wire: its requests repeat and its answers are kept, so neither needs a
+    message made or serialized per call (`_DevicePlugin._allocate`)."""
+    def unary(method, request, response):
+        return grpc.unary_unary_rpc_method_handler(
+            method, request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString)
+
+    handlers = {
+        "GetDevicePluginOptions": unary(servicer.GetDevicePluginOptions, dp.Empty,
+                                        dp.DevicePluginOptions),
+        "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+            servicer.ListAndWatch, request_deserializer=dp.Empty.FromString,
+            response_serializer=dp.ListAndWatchResponse.SerializeToString),
+        "GetPreferredAllocation": unary(servicer.GetPreferredAllocation,
+                                        dp.PreferredAllocationRequest,
+                                        dp.PreferredAllocationResponse),
+        "Allocate": grpc.unary_unary_rpc_method_handler(servicer.Allocate),
+        "PreStartContainer": unary(servicer.PreStartContainer, dp.PreStartContainerRequest,
+                                   dp.PreStartContainerResponse),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class PluginServer:
@@ -257,7 +316,7 @@ class PluginServer:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                         thread_name_prefix="plugin"),
                              options=[("grpc.so_reuseport", 0)])
-        dp_grpc.add_DevicePluginServicer_to_server(_DevicePlugin(self), server)
+        _add_servicer(_DevicePlugin(self), server)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
         try:
             bound = server.add_insecure_port(f"unix:{self.path}")
