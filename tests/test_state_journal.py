@@ -348,6 +348,9 @@ def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state
     j = journal_at(state)
     first = allocate(j, 2, 3)
     second = allocate(j, 2, 3)
+    # held in memory in a compact form (time and the answer's record): read back the same
+    assert j.records() == (first, second)
+    assert (j.status()["allocations"], j.status()["pending"]) == (2, 2)
     j.close()
     raw = _raw(state)
     for r in (first, second):

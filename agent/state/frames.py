@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import msgpack
@@ -244,7 +244,7 @@ def _torn(view: memoryview, pos: int, n: int) -> str:
     return ""
 
 
-def encode_all(records: Mapping[str, Record], boot: str, keyed_by: str, written: float
+def encode_all(records: Iterable[Record], boot: str, keyed_by: str, written: float
                ) -> list[bytes]:
     """A whole file holding `records` (compaction, migration)."""
-    return [MAGIC, meta_frame(boot, keyed_by, written), *[put_frame(r) for r in records.values()]]
+    return [MAGIC, meta_frame(boot, keyed_by, written), *[put_frame(r) for r in records]]

@@ -29,6 +29,7 @@ The rules (docs/state.md says them for operators):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -120,7 +121,7 @@ def adopted_id(e: PodDevices) -> str:
 def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *,
               devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
               now: float, grace: float = UNATTRIBUTED_GRACE_S,
-              protected: frozenset[str] = frozenset()) -> Outcome:
+              protected: AbstractSet[str] = frozenset()) -> Outcome:
     """Apply the rules of this module to `records`. `devices`: the devices advertised now by
     resource (objects with `.id`, `.gpu_uuid` and `.gpu_index`, agent.rm.devices.Device),
     or None when not known yet; `listing`: podresources' answer, or None when it could not
@@ -133,7 +134,7 @@ def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *
 
 def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
                devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
-               now: float, grace: float, protected: frozenset[str]) -> Outcome:
+               now: float, grace: float, protected: AbstractSet[str]) -> Outcome:
     dropped: list[tuple[Record, str]] = []
     rekeyed: list[tuple[Record, str]] = []
     current: list[Record] = []

@@ -196,6 +196,7 @@ class Reconciler:
             if listing is None and (devices, keyed_by) == self._judged:
                 # Without a listing a pass only re-resolves GPUs, and nothing they depend on
                 # changed since the last one: no need to walk every record again.
+                self.journal.fresh()  # nor to note what is appended meanwhile
                 self.runs += 1
                 self.last_run = self.clock()
                 return Outcome((), (), (), (), (), self.last_outcome["pending"], False)
