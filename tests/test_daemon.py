@@ -181,6 +181,14 @@ def test_pass_device_specs_under_the_dev_root(node):
     expected += [(f"/dev/nvidia{MINOR[u]}", f"{dev_root}/dev/nvidia{MINOR[u]}", "rw")
                  for u in alloc.device_ids]
     assert specs == expected
+    # a control node that appears later is in the next answer to the very same request
+    # (the agent keeps answers by the request's bytes, but not these)
+    ids = list(alloc.device_ids)
+    before = agent.allocate(ids).container_responses[0]
+    assert "/dev/nvidia-uvm-tools" not in [s.container_path for s in before.devices]
+    open(os.path.join(dev_root, "dev", "nvidia-uvm-tools"), "w").close()
+    after = agent.allocate(ids).container_responses[0]
+    assert "/dev/nvidia-uvm-tools" in [s.container_path for s in after.devices]
 
 
 # -- GetPreferredAllocation -------------------------------------------------------------------

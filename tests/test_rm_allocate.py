@@ -117,6 +117,8 @@ def test_a_control_node_that_appears_later_is_in_the_next_answer(tmp_path):
     (dev / "nvidia-uvm").touch()
     [second] = manager.allocate([[GPUS[3].uuid]])
     assert "/dev/nvidia-uvm" in [s.container_path for s in second.devices]
+    # nor may the plugin keep it by the request's bytes: no token to keep it under
+    assert manager.answers([[GPUS[3].uuid]])[1] is None
 
 
 def test_the_same_request_gets_the_kept_answer_until_a_reload():
@@ -124,7 +126,12 @@ def test_the_same_request_gets_the_kept_answer_until_a_reload():
     [a] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
     [b] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
     assert a is b and a.envs == {"NVIDIA_VISIBLE_DEVICES": f"{GPUS[2].uuid},{GPUS[5].uuid}"}
+    # the token the plugin keeps the answer under (agent.kubelet.plugin) holds until a reload
+    [(devices, kept)], token = manager.answers([[GPUS[2].uuid, GPUS[5].uuid]])
+    assert kept is a and [d.id for d in devices] == [GPUS[2].uuid, GPUS[5].uuid]
+    assert token is manager.answering
     manager.reconfigure(DEVICES, ResponseOptions(("volume-mounts",)))
+    assert manager.answering is not token
     [c] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
     assert c.mounts and c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
 

@@ -4,8 +4,8 @@ Owns: the socket of one resource in kubelet's device-plugin directory (created m
 removed on stop), the DevicePlugin service (GetDevicePluginOptions, ListAndWatch,
 GetPreferredAllocation, Allocate, PreStartContainer) answering from an
 `agent.rm.manager.ResourceManager`, and the Register call towards kubelet.sock. Protobuf in,
-plain data to the manager, protobuf out (Allocate decodes and encodes its own bytes, kept per
-request and per answer: `_add_servicer`): a RequestError from the manager becomes
+plain data to the manager, protobuf out (Allocate decodes and encodes its own bytes, and keeps
+its answers by the request's bytes: `_add_servicer`): a RequestError from the manager becomes
 INVALID_ARGUMENT with its reason, a StateError (the allocation could not be recorded)
 UNAVAILABLE, and the server keeps serving. Must not call NVML (it never imports agent.nvml)
 nor decide lifecycle: `agent.kubelet.registrar` starts, stops and re-registers.
@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from concurrent import futures
+from typing import NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -47,7 +48,7 @@ REGISTER_TIMEOUT_S = 5.0
 # gRPC's core, not in Python.
 WORKERS = 4
 SERVICE = "v1beta1.DevicePlugin"
-# An Allocate request's bytes are kept (as the key to its decoded IDs) up to this length: a
+# An Allocate request's bytes are kept (as the key to its answer) up to this length: a
 # request for a whole 8-GPU node is some 400 bytes; a rare huge one is decoded each time.
 REQUEST_KEPT_BYTES = 4096
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
@@ -119,37 +120,28 @@ def _timed(histogram: latency.Histogram, handler, request, context):
         histogram.observe(time.perf_counter() - started)
 
 
+class _Kept(NamedTuple):
+    """An Allocate answer as `_DevicePlugin` keeps it: the manager's token it holds under, the
+    (devices, response) of each container for the journal, the bytes sent, and each
+    container's GPUs for its log line."""
+
+    token: object
+    hits: list
+    data: bytes
+    lines: tuple
+
+
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
-        # for each ContainerResponse the manager keeps (by identity): the container's message,
-        # the whole answer to a one-container request (kubelet's usual) as sent on the wire,
-        # and its log line's GPUs
-        self._messages: dict[int, tuple[ContainerResponse, dp.ContainerAllocateResponse,
-                                        bytes, _Gpus]] = {}
-        # the device IDs of each Allocate request seen, by its bytes on the wire: kubelet asks
-        # for the same few device sets again and again, and a repeat is then decoded by a dict
-        # lookup instead of protobuf (message objects made, each ID copied out)
-        self._requests: dict[bytes, tuple[tuple[str, ...], ...]] = {}
+        # Allocate's answers by the request's bytes on the wire: kubelet asks for the same few
+        # device sets again and again, and a repeat is then answered by one dict lookup (no
+        # protobuf decoding or encoding, no manager lookup) while the manager's token holds
+        self._kept: dict[bytes, _Kept] = {}
         self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
         self._preferred_latency = latency.histogram("GetPreferredAllocation",
                                                     self.manager.resource)
-
-    def _answer(self, r: ContainerResponse, ids: tuple[str, ...]
-                ) -> tuple[ContainerResponse, dp.ContainerAllocateResponse, bytes, _Gpus]:
-        """What `_messages` keeps for `r`, the answer to the container request `ids` (the
-        manager hands the same object for the same request)."""
-        hit = self._messages.get(id(r))
-        if hit is not None and hit[0] is r:
-            return hit
-        message = _container_response(r)
-        hit = (r, message, dp.AllocateResponse(container_responses=[message]).SerializeToString(),
-               _Gpus(self.manager.by_id, ids))
-        if len(self._messages) >= ANSWERS_KEPT:
-            self._messages.clear()
-        self._messages[id(r)] = hit
-        return hit
 
     def GetDevicePluginOptions(self, request, context):
         return self.plugin.options
@@ -197,45 +189,49 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         return dp.PreferredAllocationResponse(container_responses=[
             dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
 
-    def _request_ids(self, raw: bytes, context) -> tuple[tuple[str, ...], ...]:
-        """The device IDs of each container request in the AllocateRequest `raw`."""
-        ids = self._requests.get(raw)
-        if ids is not None:
-            return ids
+    def _allocate(self, raw: bytes, context) -> bytes:
+        """Allocate on the wire's bytes (see `_add_servicer`): the answer kept for these
+        bytes, or a new one; recorded by the manager's journal before it is sent."""
+        manager = self.manager
+        kept = self._kept.get(raw)
+        if kept is None or kept.token is not manager.answering:
+            kept = self._answer(raw, context)
+        try:
+            manager.record(kept.hits)
+        except StateError as exc:  # not recorded: kubelet must not start the container
+            log.error("%s: Allocate failed: %s", manager.resource, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
+        for gpus in kept.lines:  # the line operators grep for, made off this thread
+            logs.later(log, logging.INFO, "%s: allocated to a container: %s", manager.resource,
+                       gpus)
+        return kept.data
+
+    def _answer(self, raw: bytes, context) -> _Kept:
+        """The answer to the AllocateRequest `raw`, kept for its bytes when the manager keeps
+        its answers; INVALID_ARGUMENT with the reason when it cannot be answered."""
+        manager = self.manager
         try:
             request = dp.AllocateRequest.FromString(raw)
         except DecodeError as exc:
             log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
-                        self.manager.resource, exc)
+                        manager.resource, exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the request is not a valid AllocateRequest: {exc}")
-        ids = tuple(tuple(c.devices_ids) for c in request.container_requests)
-        if len(raw) <= REQUEST_KEPT_BYTES:
-            if len(self._requests) >= ANSWERS_KEPT:
-                self._requests.clear()
-            self._requests[raw] = ids
-        return ids
-
-    def _allocate(self, raw: bytes, context) -> bytes:
-        """Allocate on the wire's bytes (see `_add_servicer`): the request decoded through
-        `_requests`, the answer sent as kept in `_messages`."""
-        ids = self._request_ids(raw, context)
+        ids = [tuple(c.devices_ids) for c in request.container_requests]
         try:
-            responses = self.manager.allocate(ids)
+            hits, token = manager.answers(ids)
         except RequestError as exc:
-            log.warning("%s: refused Allocate: %s", self.manager.resource, exc)
+            log.warning("%s: refused Allocate: %s", manager.resource, exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except StateError as exc:  # not recorded: kubelet must not start the container
-            log.error("%s: Allocate failed: %s", self.manager.resource, exc)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        answers = [self._answer(r, container) for r, container in zip(responses, ids)]
-        for answer in answers:  # the line operators grep for, made off this thread
-            logs.later(log, logging.INFO, "%s: allocated to a container: %s",
-                       self.manager.resource, answer[3])
-        if len(answers) == 1:
-            return answers[0][2]
-        return dp.AllocateResponse(container_responses=[a[1] for a in answers]
-                                   ).SerializeToString()
+        answer = dp.AllocateResponse(container_responses=[
+            _container_response(response) for _, response in hits])
+        kept = _Kept(token, hits, answer.SerializeToString(),
+                     tuple(_Gpus(manager.by_id, i) for i in ids))
+        if token is not None and len(raw) <= REQUEST_KEPT_BYTES:
+            if len(self._kept) >= ANSWERS_KEPT:
+                self._kept.clear()
+            self._kept[raw] = kept
+        return kept
 
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()

@@ -83,8 +83,10 @@ class ResourceManager:
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
         # (options, devices by ID, answers by request, one replica per container:
-        # failRequestsGreaterThanOne): replaced whole by reconfigure, read once per Allocate
-        self._answering = (options, self.by_id, {}, one_replica)
+        # failRequestsGreaterThanOne): replaced whole by reconfigure, read once per Allocate.
+        # Its identity is the token under which answers given earlier may be given again
+        # (`answers`): a caller that keeps one checks `manager.answering is token`.
+        self.answering = (options, self.by_id, {}, one_replica)
         self._cond = threading.Condition()
         self._version = 1
         self._closed = False
@@ -169,10 +171,10 @@ class ResourceManager:
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
             self.one_gpu = one_gpu
             if devices == self.devices:
-                self._answering = (options, self.by_id, {}, one_replica)
+                self.answering = (options, self.by_id, {}, one_replica)
                 return False
             self.devices, self.by_id = devices, {d.id: d for d in devices}
-            self._answering = (options, self.by_id, {}, one_replica)
+            self.answering = (options, self.by_id, {}, one_replica)
             self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
             self._version += 1
             self._cond.notify_all()
@@ -191,7 +193,21 @@ class ResourceManager:
         """One ContainerResponse per container request, in order; RequestError (nothing
         allocated) if any request is empty, repeats an ID or names an unknown one. With a
         `journal`, the allocation is recorded durably before this returns (StateError if not)."""
-        options, by_id, answers, one_replica = self._answering
+        hits, _ = self.answers(container_requests)
+        self.record(hits)
+        return [response for _, response in hits]
+
+    def answers(self, container_requests: Sequence[Sequence[str]]
+                ) -> tuple[list[tuple[list[Device], ContainerResponse]], object]:
+        """The devices and the response for each container request, in order (RequestError
+        as `allocate`), not recorded; and the token under which the same requests may be
+        given the same pairs again, without asking (while `self.answering is token`), or None
+        when each Allocate must get answers of its own (a new CDI annotation key every time;
+        with passDeviceSpecs the control nodes that exist now: nvidia-uvm appears on first
+        use)."""
+        answering = self.answering
+        options, by_id, answers, one_replica = answering
+        kept = not options.pass_device_specs and "cdi-annotations" not in options.list_strategies
         out = []
         for ids in container_requests:
             key = tuple(ids)
@@ -201,17 +217,18 @@ class ResourceManager:
                 if one_replica:
                     check_shared_request(self.resource, devices)
                 hit = (devices, container_response(devices, options, resource=self.resource))
-                # not kept: a new CDI annotation key every time; the control nodes passed with
-                # passDeviceSpecs are those that exist now (nvidia-uvm appears on first use)
-                if not options.pass_device_specs and \
-                        "cdi-annotations" not in options.list_strategies:
+                if kept:
                     if len(answers) >= ANSWERS_KEPT:
                         answers.clear()
                     answers[key] = hit
             out.append(hit)
+        return out, answering if kept else None
+
+    def record(self, hits: list[tuple[list[Device], ContainerResponse]]) -> None:
+        """Record the (devices, response) pairs `answers` gave, for one Allocate, durably
+        (StateError if not); nothing without a `journal`."""
         if self.journal is not None:
-            self.journal(self.resource, out)
-        return [response for _, response in out]
+            self.journal(self.resource, hits)
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one
