@@ -34,6 +34,7 @@ MANY_CALLERS = 64
 CALLS_PER_CALLER = 30
 JOURNAL_CALLS = 500
 RECORDS = 10_000
+PACK_BATCHES, PACK_CALLS = 200, 500  # new_put_frame: batches of calls, per implementation
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -142,7 +143,7 @@ def _journal_direct(work: str, threads: int) -> tuple[list[float], int, int]:
 def _big_journal(work: str) -> dict:
     """Figures for a journal of RECORDS records (1-2 GPUs each, envvar + CDI annotation
     responses), all attributed, reconciled against a listing naming every container."""
-    from agent._fast import _replay_py, replay
+    from agent._fast import _entries_py, entries
     from agent.fileio import write_atomic
     from agent.state import checkpoint as ck
     from agent.state import frames
@@ -182,8 +183,8 @@ def _big_journal(work: str) -> dict:
     data = b"".join(chunks)
     with open(path, "wb") as f:
         f.write(data)
-    scan_s, _ = timed(lambda: frames.scan(data, replay))
-    twin_s, _ = timed(lambda: frames.scan(data, _replay_py))
+    scan_s, _ = timed(lambda: frames.scan(data, entries))
+    twin_s, _ = timed(lambda: frames.scan(data, _entries_py))
     journals = []
 
     def load():  # one journal in memory at a time, as in the agent
@@ -211,6 +212,32 @@ def _big_journal(work: str) -> dict:
             "reconcile": reconcile_s, "apply": apply_s, "rewrite": rewrite_s}
 
 
+def _pack_entry() -> dict[str, list[float]]:
+    """Per-call seconds of new_put_frame (a 2-GPU envvar answer, an ID as the journal makes
+    them), compiled and twin: PACK_BATCHES interleaved batches of PACK_CALLS calls each."""
+    from agent._fast import _entries_py, entries
+    from agent.state import checkpoint as ck
+    from agent.state import frames
+
+    ds = _devices()[:2]
+    ids = tuple(d.id for d in ds)
+    r = ck.Record(id="", resource=RESOURCE, devices=ids,
+                  gpus=tuple(ck.GpuRef(d.gpu_uuid, d.gpu_index) for d in ds),
+                  response=ck.Response(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)}),
+                  time=0.0, boot="bench")
+    piece, tail, now = frames.answer_piece(r), frames.tail_piece("bench"), time.time()
+    rid = f"{os.urandom(6).hex()}-1f4a"
+    out: dict[str, list[float]] = {"cython": [], "python": []}
+    for _ in range(PACK_BATCHES):
+        for name, pack in (("cython", entries.new_put_frame),
+                           ("python", _entries_py.new_put_frame)):
+            started = time.perf_counter()
+            for _ in range(PACK_CALLS):
+                pack(rid, now, piece, tail)
+            out[name].append((time.perf_counter() - started) / PACK_CALLS)
+    return out
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
@@ -225,7 +252,9 @@ def run() -> Section:
             "background) and without it; a 2-GPU request from 1 blocking caller "
             f"({ONE_CALLER_CALLS} calls) and from {MANY_CALLERS} concurrent grpc.aio callers "
             f"× {CALLS_PER_CALLER} calls on one channel. The journal alone: "
-            f"record_allocation from 1 thread and from 64 threads ({JOURNAL_CALLS} calls). "
+            f"record_allocation from 1 thread and from 64 threads ({JOURNAL_CALLS} calls); the "
+            f"packing of one Allocate's entry, compiled and twin ({PACK_BATCHES} interleaved "
+            f"batches of {PACK_CALLS} calls, the per-call time of each batch). "
             f"Restart at scale: a journal of {RECORDS:,} attributed records replayed, "
             "loaded (read + replay + open), reconciled against a podresources listing of "
             f"{RECORDS:,} containers, the outcome applied, and a rewrite of the live records "
@@ -268,13 +297,21 @@ def run() -> Section:
                                  f"{'s' if threads > 1 else ''}",
                                  _ms(statistics.median(samples)), _ms(percentile(samples, 99)),
                                  f"{calls} records in {writes} writes"])
+        pack = _pack_entry()
+        ratio = statistics.median(pack["python"]) / statistics.median(pack["cython"])
+        for name, label, note in (
+                ("cython", "compiled", f"{ratio:.1f}× faster than the twin"),
+                ("python", "pure-Python twin", "agent._fast._entries_py")):
+            section.rows.append([f"pack an Allocate's journal entry (new_put_frame), {label}",
+                                 f"{statistics.median(pack[name]) * 1e6:.2f} µs",
+                                 f"{percentile(pack[name], 99) * 1e6:.2f} µs", note])
         big = _big_journal(work)
         section.rows += [
             [f"replay a journal of {RECORDS:,} records (frames.scan), compiled", _ms(big["scan"]),
              "", f"file {big['size'] / 1e6:.2f} MB; {big['twin'] / big['scan']:.1f}× faster "
                  f"than the twin"],
             [f"replay a journal of {RECORDS:,} records, pure-Python twin", _ms(big["twin"]), "",
-             "the same file, agent._fast._replay_py"],
+             "the same file, agent._fast._entries_py"],
             [f"load {RECORDS:,} records (read + replay + open)", _ms(big["load"]), "", ""],
             [f"reconcile {RECORDS:,} records with {RECORDS:,} listed containers",
              _ms(big["reconcile"]), "", "all matched"],

@@ -47,8 +47,9 @@ def state(tmp_path):
     return d
 
 
-def journal_at(state, boot="boot-1", keyed_by="uuid") -> Journal:
-    j = Journal(str(state / JOURNAL_FILE), boot=boot, keyed_by=keyed_by)
+def journal_at(state, boot="boot-1", keyed_by="uuid", entries_module=None) -> Journal:
+    j = Journal(str(state / JOURNAL_FILE), boot=boot, keyed_by=keyed_by,
+                entries_module=entries_module)
     j.load()
     return j
 
@@ -342,10 +343,11 @@ def test_a_read_only_state_dir_refuses_and_recovers_on_remount(small_fs):
     assert journal_at(small_fs).records() == (kept, later)
 
 
-def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state):
-    # record_allocation packs each answer once and only the ID and time per Allocate: the
-    # bytes must be those put_frame writes, or a replay would read something else
-    j = journal_at(state)
+def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state, fast_impl):
+    # record_allocation packs each answer once and only the ID and time per Allocate (in
+    # agent._fast.entries or its twin): the bytes must be those put_frame writes, or a
+    # replay would read something else
+    j = journal_at(state, entries_module=fast_impl.entries)
     first = allocate(j, 2, 3)
     second = allocate(j, 2, 3)
     # held in memory in a compact form (time and the answer's record): read back the same

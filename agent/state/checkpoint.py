@@ -294,7 +294,7 @@ def record_from_data(value: Any, where: str) -> Record:
     """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad. The
     common case goes through the live replay hot path (agent._fast), which takes only
     well-formed maps; anything else is checked here field by field."""
-    fast = _fast.replay_impl.record(value, KINDS)
+    fast = _fast.entries_impl.record(value, KINDS)
     return _checked_record(value, where) if fast is None else fast
 
 

@@ -81,10 +81,9 @@ def put_frame(r: Record) -> bytes:
     return _pack(["put", record_data(r)])
 
 
-# A "put" entry of a new Allocate record, assembled from pieces packed once per answer: the
-# same bytes put_frame writes (record_data's key order), without packing the whole map again.
-_PUT_HEAD = b"\x92" + msgpack.packb("put") + b"\x89" + msgpack.packb("id")
-_TIME = struct.Struct(">Bd")  # msgpack float 64
+# A "put" entry of a new Allocate record is assembled from pieces packed once per answer (the
+# same bytes put_frame writes, in record_data's key order), without packing the whole map again:
+# the ID and time per Allocate by agent._fast's entries module (new_put_frame), the rest here.
 
 
 def answer_piece(r: Record) -> bytes:
@@ -99,22 +98,6 @@ def tail_piece(boot: str) -> bytes:
     """The packed boot, pod (none) and confirmed (none) of a new record."""
     return b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in
                     (("boot", boot), ("pod", None), ("confirmed", None)))
-
-
-# msgpack's fixstr head of each length below 32 (a record ID is about 17 ASCII characters):
-# packed here, the Allocate path makes no msgpack Packer (each allocates its own buffer).
-_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
-
-
-def new_put_frame(record_id: str, time: float, answer: bytes, tail: bytes) -> bytes:
-    """put_frame of a new record (no pod yet), from answer_piece and tail_piece."""
-    rid = record_id.encode()
-    head = _FIXSTR[len(rid)] if len(rid) < 32 else msgpack.packb(record_id)[:-len(rid)]
-    payload = b"".join((_PUT_HEAD, head, rid, answer, _K_TIME, _TIME.pack(0xCB, time), tail))
-    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-_K_TIME = msgpack.packb("time")
 
 
 def claim_frame(r: Record) -> bytes:
@@ -170,14 +153,14 @@ def _apply(records: dict[str, Record], items: Any, at: int) -> None:
         raise _corrupt(at, f"unknown entry {str(op)[:20]!r} of {len(items)} items")
 
 
-def scan(data: bytes | memoryview, replay_module: Any = None) -> Scan:
+def scan(data: bytes | memoryview, entries_module: Any = None) -> Scan:
     """Replay the journal in `data`. CheckpointError ("corrupt", "version") when it cannot
     be used; a torn tail is not an error (Scan.torn says what was cut). The common entries go
-    through the replay hot path (agent._fast: the live one unless `replay_module` is given);
+    through the replay hot path (agent._fast: the live one unless `entries_module` is given);
     the first frame it does not take (a meta entry, a torn or damaged one) is replayed here,
     with the checks and messages."""
     with paused():  # records made by the thousand (agent.gcpause)
-        return _scan(memoryview(data), replay_module or _fast.replay_impl)
+        return _scan(memoryview(data), entries_module or _fast.entries_impl)
 
 
 def _scan(view: memoryview, fast: Any) -> Scan:

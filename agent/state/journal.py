@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from agent import _fast
 from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEFAULT_JOURNAL_SYNC_INTERVAL_S
 from agent.errors import CheckpointError, StateError
 from agent.fileio import TEMP_SUFFIX, fsync_dir, write_atomic
@@ -139,7 +140,8 @@ class Journal:
 
     def __init__(self, path: str, *, boot: str, keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY,
                  clock: Callable[[], float] = time.time,
-                 sync_interval: float = DEFAULT_JOURNAL_SYNC_INTERVAL_S):
+                 sync_interval: float = DEFAULT_JOURNAL_SYNC_INTERVAL_S,
+                 entries_module: Any = None):
         self.path = os.path.abspath(path)
         self.directory = os.path.dirname(self.path)
         self.legacy_path = os.path.join(self.directory, LEGACY_FILE)
@@ -176,6 +178,8 @@ class Journal:
         self._ids = itertools.count(1)  # next() is atomic: concurrent Allocates never share
         self._answers: dict[int, tuple[Any, tuple]] = {}  # by the manager's response object
         self._tail = frames.tail_piece(boot)
+        # packs each Allocate's entry (agent._fast: the live one unless `entries_module` is given)
+        self._pack_put = (entries_module or _fast.entries_impl).new_put_frame
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
         self.failing = ""  # why writes or syncs fail now ("" while they work)
         self.version = 0  # bumped on every change in memory
@@ -407,7 +411,7 @@ class Journal:
             records.append(from_fields(Record, (rid, resource, first.devices, first.gpus,
                                                 first.response, now, first.boot, None, None)))
             held.append((rid, (now, first)))
-            out.append(frames.new_put_frame(rid, now, piece, self._tail))
+            out.append(self._pack_put(rid, now, piece, self._tail))
         self._add(held, out)
         return records
 

@@ -1,8 +1,12 @@
-"""The journal replay hot path (agent._fast.replay and its twin _replay_py), run on both: a
-restart reads back exactly what was written, and the hot path never changes an answer. The
-oracle is the checked replay alone (agent.state.frames.scan with a replay module that takes
-nothing): on any journal, damaged or not, both implementations give the same records, the same
-torn tail or the same error with the same message.
+"""The journal's hot paths (agent._fast.entries and its twin _entries_py), run on both.
+
+The replay: a restart reads back exactly what was written, and the hot path never changes an
+answer. The oracle is the checked replay alone (agent.state.frames.scan with a replay module
+that takes nothing): on any journal, damaged or not, both implementations give the same
+records, the same torn tail or the same error with the same message.
+
+The packing of a new Allocate's entry (new_put_frame): the oracle is msgpack, through
+frames.put_frame of the same record.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _outcome(data: bytes, module) -> tuple:
 @given(journal=journals())
 def test_property_a_journal_replays_to_what_was_written(fast_impl, journal):
     data, model = journal
-    scan = frames.scan(data, fast_impl.replay)
+    scan = frames.scan(data, fast_impl.entries)
     assert scan.records == model
     assert list(scan.records) == list(model)  # in the order first written
     assert scan.torn == "" and scan.good_end == len(data)
@@ -92,7 +96,7 @@ def test_property_damage_gets_the_checked_replays_answer(fast_impl, journal, dat
     else:
         raw[at:] = bytes(len(raw) - at)
     damaged = bytes(raw)
-    assert _outcome(damaged, fast_impl.replay) == _outcome(damaged, CHECKED_ONLY)
+    assert _outcome(damaged, fast_impl.entries) == _outcome(damaged, CHECKED_ONLY)
 
 
 # Entries that are framed and checksummed right but are not what the journal writes: the hot
@@ -121,10 +125,10 @@ def _record_map() -> dict:
 @pytest.mark.parametrize("odd", list(_ODD_ENTRIES))
 def test_an_odd_record_is_left_to_the_checked_path(fast_impl, odd):
     value = _ODD_ENTRIES[odd](_record_map())
-    assert fast_impl.replay.record(value, KINDS) is None
+    assert fast_impl.entries.record(value, KINDS) is None
     data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + \
         frames.frame(msgpack.packb(["put", value]))
-    assert _outcome(data, fast_impl.replay) == _outcome(data, CHECKED_ONLY)
+    assert _outcome(data, fast_impl.entries) == _outcome(data, CHECKED_ONLY)
 
 
 @pytest.mark.parametrize("entry, answer", [
@@ -143,14 +147,14 @@ def test_an_odd_entry_gets_the_checked_replays_answer(fast_impl, entry, answer):
         frames.frame(msgpack.packb(["put", _record_map()])) + frames.frame(msgpack.packb(entry))
     checked = _outcome(data, CHECKED_ONLY)
     assert checked[0] == answer, checked
-    assert _outcome(data, fast_impl.replay) == checked
+    assert _outcome(data, fast_impl.entries) == checked
 
 
 @_SETTINGS
 @given(r=records())
 def test_property_a_record_map_reads_back_as_the_checked_path_reads_it(fast_impl, r):
     value = ck.record_data(r)
-    assert fast_impl.replay.record(value, KINDS) == r == ck.record_from_data(value, "x")
+    assert fast_impl.entries.record(value, KINDS) == r == ck.record_from_data(value, "x")
 
 
 # A put entry in encodings other than the one the agent writes (agent.state.frames packs map
@@ -224,7 +228,7 @@ def test_a_put_in_any_encoding_gets_the_checked_replays_answer(fast_impl, encodi
     put = frames.frame(payload)
     data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + put + put + \
         frames.drop_frame("r1") + put
-    fast, checked = _outcome(data, fast_impl.replay), _outcome(data, CHECKED_ONLY)
+    fast, checked = _outcome(data, fast_impl.entries), _outcome(data, CHECKED_ONLY)
     assert repr(fast) == repr(checked)  # repr: a NaN time is equal to itself there
     if encoding == "the-agents-own":
         assert fast[0] == "scan" and fast[1].records == {"r1": ck.record_from_data(
@@ -234,7 +238,7 @@ def test_a_put_in_any_encoding_gets_the_checked_replays_answer(fast_impl, encodi
 def test_the_compiled_replay_shares_what_records_repeat():
     """Records that repeat their devices, GPUs, response, resource and boot hold one copy of
     each after a restart (a journal of 10,000 records: 15 MB instead of 22 MB in memory)."""
-    from agent._fast import replay
+    from agent._fast import entries
 
     r = ck.Record("r1", "nvidia.com/gpu", ("GPU-0", "GPU-1"),
                   (ck.GpuRef("GPU-0", 0), ck.GpuRef("GPU-1", 1)),
@@ -242,7 +246,20 @@ def test_the_compiled_replay_shares_what_records_repeat():
     other = r._replace(id="r2", time=6.0, pod=PodRef("ns", "p", "c"), confirmed=7.0)
     data = frames.MAGIC + frames.meta_frame("b", "uuid", 0.0) + frames.put_frame(r) + \
         frames.put_frame(other)
-    got = frames.scan(data, replay).records
+    got = frames.scan(data, entries).records
     assert got == {"r1": r, "r2": other}
     for field in ("resource", "devices", "gpus", "response", "boot"):
         assert getattr(got["r1"], field) is getattr(got["r2"], field), field
+
+
+@_SETTINGS
+@given(r=records(), rid=st.one_of(st.text(max_size=40), st.text(min_size=200, max_size=300),
+                                  st.just("x" * 70_000)))
+def test_a_new_records_entry_is_what_msgpack_packs(fast_impl, r, rid):
+    # IDs of every msgpack str head (fixstr, str 8, 16, 32 by their UTF-8 length), any text
+    new = r._replace(id=rid, pod=None, confirmed=None)
+    packed = fast_impl.entries.new_put_frame(rid, new.time, frames.answer_piece(new),
+                                             frames.tail_piece(new.boot))
+    assert packed == frames.put_frame(new)
+    assert frames.scan(frames.MAGIC + frames.meta_frame(new.boot, "uuid", 1.0) + packed,
+                       fast_impl.entries).records == {rid: new}

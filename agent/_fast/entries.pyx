@@ -1,4 +1,5 @@
-"""The allocation journal's common entries, replayed (compiled; twin: _replay_py.py).
+"""The allocation journal's common entries, replayed, and a new Allocate's entry packed
+(compiled; twin: _entries_py.py).
 
 Owns: `record` and `replay`, the same functions as the twin with the same answers: the frame
 headers read from the buffer in C, the type checks of every record field as pointer compares,
@@ -8,18 +9,22 @@ straight from the frame's bytes into the record (`_Put`), with no msgpack map or
 between, and the resource, boot, devices, GPUs and response that records repeat are made once
 per replay and shared; any other entry, or a put in another encoding, goes through
 msgpack.unpackb and `record` as in the twin. The checksum is the call the twin makes
-(zlib.crc32). Must not import anything of `agent`, touch files, or say why it stopped
-(agent.state.frames.scan replays that frame with its checks).
+(zlib.crc32). `new_put_frame` writes the payload of every Allocate's entry in C, its checksum the
+twin's call (zlib.crc32). Must not
+import anything of `agent`, touch files, or say why it stopped (agent.state.frames.scan
+replays that frame with its checks).
 """
 
 import zlib
 
 import msgpack
 
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, strlen
 
-__all__ = ["record", "replay"]
+__all__ = ["new_put_frame", "record", "replay"]
 
 cdef enum:
     HEAD_SIZE = 8  # <u32 length> <u32 CRC-32>, as agent.state.frames writes them
@@ -497,3 +502,63 @@ def replay(object view, Py_ssize_t pos, dict records, tuple kinds):
         entries += 1
         pos = end
     return pos, entries
+
+
+# -- packing: a new Allocate's "put" entry -------------------------------------------------------
+
+# ["put", {9 keys}] with the "id" key (agent.state.frames' record map), and the "time" key: the
+# bytes the twin's _PUT_HEAD and _K_TIME hold
+cdef bytes _PUT_HEAD = b"\x92\xa3put\x89\xa2id"
+cdef bytes _K_TIME = b"\xa4time"
+cdef inline unsigned char* _le32(unsigned char* q, uint32_t v) noexcept:
+    q[0] = v & 0xFF
+    q[1] = (v >> 8) & 0xFF
+    q[2] = (v >> 16) & 0xFF
+    q[3] = v >> 24
+    return q + 4
+
+
+def new_put_frame(str record_id, double time, bytes answer, bytes tail):
+    """The frame of a "put" entry of a new record: its ID, then `answer` (the packed resource,
+    devices, GPUs and response: agent.state.frames.answer_piece), its time, then `tail` (the
+    packed boot, pod and confirmed: frames.tail_piece); the twin's bytes."""
+    cdef Py_ssize_t nrid
+    cdef const char* rid = PyUnicode_AsUTF8AndSize(record_id, &nrid)
+    # msgpack's str head: fixstr, str 8, str 16 or str 32 by the UTF-8 length
+    cdef Py_ssize_t nhead = 1 if nrid < 32 else 2 if nrid < 0x100 else 3 if nrid < 0x10000 else 5
+    cdef Py_ssize_t nanswer = PyBytes_GET_SIZE(answer), ntail = PyBytes_GET_SIZE(tail)
+    cdef Py_ssize_t n = 9 + nhead + nrid + nanswer + 5 + 9 + ntail
+    cdef bytes payload = PyBytes_FromStringAndSize(NULL, n)
+    cdef unsigned char* q = <unsigned char*>PyBytes_AS_STRING(payload)
+    cdef uint64_t bits
+    cdef int i
+    memcpy(q, PyBytes_AS_STRING(_PUT_HEAD), 9)
+    q += 9
+    if nhead == 1:
+        q[0] = 0xA0 | nrid
+    elif nhead == 2:
+        q[0], q[1] = 0xD9, nrid
+    elif nhead == 3:
+        q[0], q[1], q[2] = 0xDA, nrid >> 8, nrid & 0xFF
+    else:
+        q[0], q[1], q[2], q[3], q[4] = (0xDB, nrid >> 24, (nrid >> 16) & 0xFF,
+                                        (nrid >> 8) & 0xFF, nrid & 0xFF)
+    q += nhead
+    memcpy(q, rid, nrid)
+    q += nrid
+    memcpy(q, PyBytes_AS_STRING(answer), nanswer)
+    q += nanswer
+    memcpy(q, PyBytes_AS_STRING(_K_TIME), 5)
+    q += 5
+    q[0] = 0xCB  # float 64, big-endian
+    memcpy(&bits, &time, 8)
+    for i in range(8):
+        q[1 + i] = (bits >> (56 - 8 * i)) & 0xFF
+    q += 9
+    memcpy(q, PyBytes_AS_STRING(tail), ntail)
+    cdef uint32_t crc = _crc32(payload)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, HEAD_SIZE + n)
+    q = _le32(<unsigned char*>PyBytes_AS_STRING(out), <uint32_t>n)
+    q = _le32(q, crc)
+    memcpy(q, PyBytes_AS_STRING(payload), n)
+    return out

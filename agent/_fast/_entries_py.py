@@ -1,4 +1,5 @@
-"""Pure-Python twin of agent._fast.replay: the allocation journal's common entries, replayed.
+"""Pure-Python twin of agent._fast.entries: the allocation journal's common entries, replayed,
+and a new Allocate's entry packed.
 
 Owns: `record` (a record map as agent.state.checkpoint writes it, turned into a record, or
 None when it is anything but well formed) and `replay` (from a position in the journal, apply
@@ -7,9 +8,9 @@ drop of a known record; stop before the first that is not, leaving it unapplied)
 replays every entry of the journal, so this is the part that runs 10,000 times; the caller
 (agent.state.frames.scan) replays the frame where it stopped with its own checks, and that
 decides what is wrong or cut short. So these functions never accept more than the checked path
-and never say why they stopped. The record types are handed in (`kinds`: record, GPU, pod,
-response, mount and device-spec classes, agent.state.checkpoint.KINDS): must not import
-anything of `agent`, nor touch files.
+and never say why they stopped. `new_put_frame` packs the entry every Allocate writes. The
+record types are handed in (`kinds`: record, GPU, pod, response, mount and device-spec
+classes, agent.state.checkpoint.KINDS): must not import anything of `agent`, nor touch files.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["record", "replay"]
+__all__ = ["new_put_frame", "record", "replay"]
 
 _HEAD = struct.Struct("<II")
 HEAD_SIZE = _HEAD.size
@@ -159,3 +160,25 @@ def replay(view: memoryview, pos: int, records: dict, kinds: tuple) -> tuple[int
         entries += 1
         pos = end
     return pos, entries
+
+
+# -- packing: a new Allocate's "put" entry -------------------------------------------------------
+
+# The head of a "put" entry of a record map (agent.state.frames: ["put", {9 keys}], the "id" key
+# first), msgpack's str head of each length below 32 (a record ID is about 17 ASCII characters),
+# the "time" key and msgpack's float 64.
+_PUT_HEAD = b"\x92" + msgpack.packb("put") + b"\x89" + msgpack.packb("id")
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
+_K_TIME = msgpack.packb("time")
+_TIME = struct.Struct(">Bd")
+
+
+def new_put_frame(record_id: str, time: float, answer: bytes, tail: bytes) -> bytes:
+    """The frame of a "put" entry of a new record: its ID, then `answer` (the packed resource,
+    devices, GPUs and response: agent.state.frames.answer_piece), its time, then `tail` (the
+    packed boot, pod and confirmed: frames.tail_piece). The bytes agent.state.frames.put_frame
+    writes for the same record, without a msgpack Packer (each allocates its own buffer)."""
+    rid = record_id.encode()
+    head = _FIXSTR[len(rid)] if len(rid) < 32 else msgpack.packb(record_id)[:-len(rid)]
+    payload = b"".join((_PUT_HEAD, head, rid, answer, _K_TIME, _TIME.pack(0xCB, time), tail))
+    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
