@@ -86,19 +86,18 @@ def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
 
 
 class _Gpus:
-    """A container's GPUs as the Allocate log line shows them, formatted when first written
-    (by agent.logs' writer thread; `by_id` is replaced on a reload, never changed) and kept:
-    the answers the manager keeps each carry one, so a repeated answer's line costs the
-    writer no formatting."""
+    """A container's GPUs as the Allocate log line shows them (its devices, in request order),
+    formatted when first written (by agent.logs' writer thread) and kept: each kept answer
+    carries one, so a repeated answer's line costs the writer no formatting."""
 
-    __slots__ = ("by_id", "ids", "text")
+    __slots__ = ("devices", "text")
 
-    def __init__(self, by_id: dict, ids: list[str]):
-        self.by_id, self.ids, self.text = by_id, ids, None
+    def __init__(self, devices: list):
+        self.devices, self.text = devices, None
 
     def __str__(self) -> str:
         if self.text is None:
-            self.text = ", ".join(_device_text(self.by_id[i]) for i in self.ids)
+            self.text = ", ".join(_device_text(d) for d in self.devices)
         return self.text
 
 
@@ -226,7 +225,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         answer = dp.AllocateResponse(container_responses=[
             _container_response(response) for _, response in hits])
         kept = _Kept(token, hits, answer.SerializeToString(),
-                     tuple(_Gpus(manager.by_id, i) for i in ids))
+                     tuple(_Gpus(devices) for devices, _ in hits))
         if token is not None and len(raw) <= REQUEST_KEPT_BYTES:
             if len(self._kept) >= ANSWERS_KEPT:
                 self._kept.clear()
