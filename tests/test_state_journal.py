@@ -358,3 +358,27 @@ def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state
     for r in (first, second):
         assert frames.put_frame(r) in raw
     assert journal_at(state).records() == (first, second)
+
+
+def test_a_pass_that_changes_no_new_record_writes_nothing(state):
+    # New records are held compactly (time and their answer's record); a reconciliation hands
+    # back Records made from them, and one that leaves them as they were must write nothing
+    from agent.state.reconcile import PodDevices, reconcile
+
+    j = journal_at(state)
+    claimed, pending = allocate(j, 0), allocate(j, 1, 2)
+    listing = [PodDevices("ns", "p", "main", "nvidia.com/gpu", claimed.devices)]
+    devices = {"nvidia.com/gpu": DEVICES}
+
+    def reconcile_now(at: float) -> bool:
+        return j.apply(reconcile(j.records(), listing, devices=devices, keyed_by="uuid",
+                                 boot="boot-1", now=at))
+
+    assert reconcile_now(claimed.time + 1)  # the claim is written
+    size = os.path.getsize(state / JOURNAL_FILE)
+    assert not reconcile_now(claimed.time + 2)  # a newer confirmation time: memory only
+    assert os.path.getsize(state / JOURNAL_FILE) == size
+    [got_claimed, got_pending] = j.records()
+    assert got_pending == pending and got_claimed.pod == ck.PodRef("ns", "p", "main")
+    assert got_claimed.confirmed == claimed.time + 2
+    j.close()

@@ -37,6 +37,7 @@ from agent import _fast
 from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEFAULT_JOURNAL_SYNC_INTERVAL_S
 from agent.errors import CheckpointError, StateError
 from agent.fileio import TEMP_SUFFIX, fsync_dir, write_atomic
+from agent.gcpause import paused
 from agent.state import frames
 from agent.state.checkpoint import (
     Checkpoint,
@@ -341,8 +342,9 @@ class Journal:
         """Every record, oldest first."""
         with self._lock:
             held = list(self._records.items())
-        # in the order written, mostly: the sort is close to linear
-        return tuple(sorted(_all(held), key=by_age))
+        with paused():  # Records made by the ten thousand, and let go after (agent.gcpause)
+            # in the order written, mostly: the sort is close to linear
+            return tuple(sorted(_all(held), key=by_age))
 
     def mark(self) -> None:
         """Start noting the IDs appended from now on (`fresh()`): a reconciliation marks
@@ -467,14 +469,13 @@ class Journal:
             drop = [r.id for r, _ in outcome.dropped if r.id in self._records]
             update = []
             for r in outcome.kept:
-                old = self._records.get(r.id)
-                if type(old) is tuple:
-                    old = _full(r.id, old)
-                if old is None:
+                held = self._records.get(r.id)
+                if held is None:
                     if r.id in adopted:
                         update.append(r)
                         out.append(frames.put_frame(r))
-                elif old != r:
+                elif not _holds(held, r):
+                    old = _full(r.id, held)
                     update.append(r)
                     if old.gpus != r.gpus or old.devices != r.devices:
                         out.append(frames.put_frame(r))
@@ -783,12 +784,29 @@ def _full(rid: str, held: Record | tuple[float, Record]) -> Record:
     if type(held) is not tuple:
         return held
     t, first = held
-    return from_fields(Record, (rid, first.resource, first.devices, first.gpus, first.response,
-                                t, first.boot, None, None))
+    return from_fields(Record, (rid, first[1], first[2], first[3], first[4], t, first[6],
+                                None, None))
 
 
 def _all(held: Iterable[tuple[str, Record | tuple[float, Record]]]) -> list[Record]:
-    return [_full(rid, h) for rid, h in held]
+    """The Records of (ID, what `Journal._records` holds) pairs: `_full` of each, inlined (a
+    reconciliation reads 10,000 of them)."""
+    new = from_fields
+    return [h if type(h) is not tuple else
+            new(Record, (rid, h[1][1], h[1][2], h[1][3], h[1][4], h[0], h[1][6], None, None))
+            for rid, h in held]
+
+
+def _holds(held: Record | tuple[float, Record], r: Record) -> bool:
+    """Whether `held` (what `Journal._records` holds under r.id) is `r`; a compact one made
+    into `r` (`_full`) is told by its fields' identity, without making its Record again."""
+    if type(held) is not tuple:
+        return held == r
+    t, first = held
+    if r.time == t and r.pod is None and r.confirmed is None and r[1] is first[1] and \
+            r[2] is first[2] and r[3] is first[3] and r[4] is first[4] and r[6] is first[6]:
+        return True
+    return _full(r.id, held) == r
 
 
 def _chunks(parts: list[bytes], size: int = 1 << 16) -> Iterable[bytes]:
