@@ -464,11 +464,17 @@ class Journal:
         confirmation time alone changes memory only); True when it wrote. StateError if the
         write failed (nothing changed then: the next reconciliation finds it all again)."""
         adopted = {r.id for r in outcome.adopted}
+        rekeyed = {r.id for r, _ in outcome.rekeyed}
         out: list[bytes] = []
-        with self._lock:
+        with self._lock:  # Allocates wait meanwhile: the loop skips what cannot have changed
             drop = [r.id for r, _ in outcome.dropped if r.id in self._records]
             update = []
             for r in outcome.kept:
+                if r.pod is None and r.id not in rekeyed:
+                    # pending: reconcile hands such a record back as it got it, unless it
+                    # re-keyed it (agent.state.reconcile, rules 1-3); thousands of them while
+                    # Allocates come faster than pods start
+                    continue
                 held = self._records.get(r.id)
                 if held is None:
                     if r.id in adopted:
