@@ -1,12 +1,12 @@
 """Picks the live implementation of the hot paths: compiled Cython, or the pure-Python twins.
 
 Owns: the choice, made once at import. `events_impl`, `topology_impl` and `entries_impl` (the
-allocation journal's entries: replayed at load, packed per Allocate) are the live modules, `IMPLEMENTATION` says which kind ("cython" or
-"python"). GPU_AGENT_PURE_PYTHON=1 forces the twins. Must not import anything of `agent` but
-`errors` and `constants` (the twins and the .pyx files alike; tests/test_boundaries.py checks
-both). Tests hand either implementation's modules to the code that takes them (HealthMonitor's
-`events_module`, TopologyModel's `topology_module`, agent.state.frames.scan's `entries_module`)
-and run under both.
+allocation journal's entries: replayed at load, packed per Allocate) are the live modules,
+`IMPLEMENTATION` says which kind ("cython" or "python"). GPU_AGENT_PURE_PYTHON=1 forces the
+twins. Must not import anything of `agent` but `errors` and `constants` (the twins and the
+.pyx files alike; tests/test_boundaries.py checks both). Tests hand either implementation's
+modules to the code that takes them (HealthMonitor's `events_module`, TopologyModel's
+`topology_module`, agent.state.frames.scan's `entries_module`) and run under both.
 """
 
 import importlib
