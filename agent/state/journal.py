@@ -480,8 +480,9 @@ class Journal:
                     if r.id in adopted:
                         update.append(r)
                         out.append(frames.put_frame(r))
-                elif not _holds(held, r):
-                    old = _full(r.id, held)
+                    continue
+                old = _full(r.id, held)
+                if old != r:
                     update.append(r)
                     if old.gpus != r.gpus or old.devices != r.devices:
                         out.append(frames.put_frame(r))
@@ -801,18 +802,6 @@ def _all(held: Iterable[tuple[str, Record | tuple[float, Record]]]) -> list[Reco
     return [h if type(h) is not tuple else
             new(Record, (rid, h[1][1], h[1][2], h[1][3], h[1][4], h[0], h[1][6], None, None))
             for rid, h in held]
-
-
-def _holds(held: Record | tuple[float, Record], r: Record) -> bool:
-    """Whether `held` (what `Journal._records` holds under r.id) is `r`; a compact one made
-    into `r` (`_full`) is told by its fields' identity, without making its Record again."""
-    if type(held) is not tuple:
-        return held == r
-    t, first = held
-    if r.time == t and r.pod is None and r.confirmed is None and r[1] is first[1] and \
-            r[2] is first[2] and r[3] is first[3] and r[4] is first[4] and r[6] is first[6]:
-        return True
-    return _full(r.id, held) == r
 
 
 def _chunks(parts: list[bytes], size: int = 1 << 16) -> Iterable[bytes]:
