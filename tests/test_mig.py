@@ -113,7 +113,8 @@ def test_mixed_allocate_hands_out_mig_uuids_or_gpu_colon_mig_indexes():
                    for k, i in enumerate(_instances(g))}
         agent = node.agent("--mig-strategy", "mixed", "--device-id-strategy", "index",
                            "--device-list-strategy", "volume-mounts")
-        _wait_resources(agent, MIXED_A100)
+        for name in MIXED_A100:  # this agent's devices, not the stopped one's last lists
+            agent.wait_registered(2, resource=name)
         got = node.client.admit_pod("q", {"main": {"nvidia.com/mig-3g.40gb": 1}})
         alloc = got.container("main").allocation("nvidia.com/mig-3g.40gb")
         gpu, k = by_uuid[alloc.device_ids[0]]

@@ -127,6 +127,7 @@ def test_a_container_gets_the_gpu_behind_its_replica_once_in_every_strategy():
         agent.stop()
 
         agent = node.agent("--config", config, "--device-id-strategy", "index")
+        agent.wait_registered(2)  # this agent's devices, not the stopped one's last list
         _wait_counts(agent, {GPU: 32})
         got = _allocate(node, GPU, [f"{UUIDS[6]}::3", f"{UUIDS[2]}::0", f"{UUIDS[6]}::0"])
         assert got.envs["NVIDIA_VISIBLE_DEVICES"] == "6,2"  # [IDS]: the replica's index
@@ -201,6 +202,9 @@ def test_preferred_allocation_spreads_replicas_or_packs_them_as_the_policy_says(
         # NVIDIA's v0.20 setting, by its env name (cmd/nvidia-device-plugin/main.go)
         agent = node.agent("--config", config,
                            env=node.env(SHARED_DEVICES_ALLOCATION_POLICY="packed"))
+        # this agent's devices: kubelet marked the stopped one's unhealthy, and a pod admitted
+        # on that list is refused (seen under stress-ng)
+        agent.wait_registered(2)
         _wait_counts(agent, {GPU: 32})
         got = node.client.admit_pod("packed", {"main": {GPU: 2}})
         gpus = {i.split("::")[0] for i in got.container("main").devices(GPU)}
