@@ -444,7 +444,10 @@ class _Reader:
         for name in value:
             if isinstance(name, str) and name in known:
                 continue
-            child = f"{key}.{name}" if key else str(name)
+            # a key that does not print as itself (a control character, a line break) is
+            # shown quoted and escaped: the message must name it on one readable line
+            shown = name if isinstance(name, str) and name.isprintable() else repr(name)
+            child = f"{key}.{shown}" if key else shown
             if not isinstance(name, str):
                 raise self.fail(child, f"unknown key {name!r} (a {describe(name)}; keys are "
                                        f"strings: quote it if it should be one)")

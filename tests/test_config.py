@@ -1158,8 +1158,18 @@ def test_property_unknown_keys_are_refused_with_their_path(tmp_path, where, name
     node[name] = 1
     with pytest.raises(ConfigError) as info:
         load_config({"config_file": write(tmp_path, data)}, {})
-    assert info.value.key == (f"{where}.{name}" if where else name)
+    shown = name if name.isprintable() else repr(name)  # a control character: escaped
+    assert info.value.key == (f"{where}.{shown}" if where else shown)
     assert info.value.problem.startswith("unknown key")
+
+
+def test_an_unknown_key_with_a_control_character_is_named_escaped_on_one_line(tmp_path):
+    # found by tests/test_fuzz_config.py: a key "\r" went into the message as it was, and the
+    # terminal (or a reader with universal newlines) showed a broken line instead of the key
+    message, path = file_error(tmp_path, v1(sharing={"\r": None}))
+    assert message == (f"sharing.'\\r': unknown key; expected one of: timeSlicing, mps "
+                       f"({path})")
+    assert "\r" not in message and "\n" not in message
 
 
 def test_nvidias_v020_shared_devices_allocation_policy_is_read_from_its_key(tmp_path):
