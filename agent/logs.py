@@ -38,11 +38,6 @@ class _Writer:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
 
-    def put(self, item: Any) -> None:
-        self.items.append(item)  # atomic; the writer drains after it clears `wake`
-        if not self.wake.is_set():
-            self.wake.set()
-
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
@@ -86,8 +81,10 @@ def later(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
     writer = _writer
     if writer is None:
         logger.log(level, msg, *args)
-    else:
-        writer.put((logger, level, msg, args))
+        return
+    writer.items.append((logger, level, msg, args))  # atomic; drained after `wake` is cleared
+    if not writer.wake.is_set():  # inline, not a method: every Allocate comes through here
+        writer.wake.set()
 
 
 def setup(level: int, background: bool = False) -> Callable[[], None]:

@@ -36,8 +36,14 @@ OPTIONS = ResponseOptions(list_strategies=("envvar", "cdi-annotations"))
 
 def allocate(journal: Journal, *indexes: int):
     devices = [DEVICES[i] for i in indexes]
-    return journal.record_allocation("nvidia.com/gpu",
-                                     [(devices, container_response(devices, OPTIONS))])[0]
+    rid, = journal.record_allocation("nvidia.com/gpu",
+                                     [(devices, container_response(devices, OPTIONS))])
+    return held(journal, rid)
+
+
+def held(journal: Journal, rid: str) -> ck.Record:
+    """The record `journal` holds under `rid`, as records() gives it."""
+    return next(r for r in journal.records() if r.id == rid)
 
 
 @pytest.fixture

@@ -69,7 +69,8 @@ def _journal(d: str) -> Journal:
 
 def _allocate(j: Journal, *indexes: int):
     devices = [DEVICES[i] for i in indexes]
-    return j.record_allocation(RES, [(devices, container_response(devices, ResponseOptions()))])[0]
+    rid, = j.record_allocation(RES, [(devices, container_response(devices, ResponseOptions()))])
+    return next(r for r in j.records() if r.id == rid)
 
 
 def _reconciler(j: Journal, socket: str) -> Reconciler:

@@ -126,10 +126,11 @@ def response_record(r: Any) -> Response:
 class _Batch:
     """Frames waiting for one write, what they change in memory, and their callers' answer."""
 
-    __slots__ = ("frames", "changes", "entries", "done", "error")
+    __slots__ = ("frames", "held", "changes", "entries", "done", "error")
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
+        self.held: list[tuple[str, Any]] = []  # (ID, record or compact form) to hold
         self.changes: list[Callable[[dict], None]] = []
         self.entries = 0  # of the frames, those counted as entries (meta frames are not)
         self.done = False
@@ -400,22 +401,81 @@ class Journal:
     # -- recording -----------------------------------------------------------------------------
 
     def record_allocation(self, resource: str, containers: Sequence[tuple[Sequence[Any], Any]]
-                          ) -> list[Record]:
+                          ) -> list[str]:
         """Record one Allocate: for each container, its devices (agent.rm.devices.Device) and
-        the response given. Returns once the records are written (synced too with a sync
-        interval of 0, or while the disk fails); StateError if they could not be. This is the
-        `journal` hook of agent.rm.manager.ResourceManager."""
+        the response given. Returns the records' IDs once they are written (synced too with
+        a sync interval of 0, or while the disk fails); StateError if they could not be. This
+        is the `journal` hook of agent.rm.manager.ResourceManager."""
         now = self.clock()
-        records, held, out = [], [], []
+        if len(containers) == 1:
+            rid = self._write_alone(now, *containers[0])
+            if rid is not None:
+                return [rid]
+        held, out = [], []
         for devices, response in containers:
             first, piece = self._shared(resource, devices, response)
             rid = f"{self._id_prefix}{next(self._ids):x}"
-            records.append(from_fields(Record, (rid, resource, first.devices, first.gpus,
-                                                first.response, now, first.boot, None, None)))
             held.append((rid, (now, first)))
             out.append(self._pack_put(rid, now, piece, self._tail))
         self._add(held, out)
-        return records
+        return [rid for rid, _ in held]
+
+    def _write_alone(self, now: float, devices: Sequence[Any], response: Any) -> str | None:
+        """The usual Allocate, in one function: one container, an answer packed before, no
+        other write under way or queued, the file open and working, syncs left to the
+        worker. Writes its entry, holds its record and returns its ID; None, having changed
+        nothing, when it is not that case (`record_allocation` then takes the general path,
+        which handles every other one). Inlined on purpose: on this path each Python call
+        costs the Allocate measurably (docs/state.md, "What an Allocate costs")."""
+        hit = self._answers.get(id(response))
+        if hit is None or hit[0] is not response:
+            return None
+        first, piece = hit[1]
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._writing or self._batch is not None or self._fd < 0 or self.blocked or \
+                    self.failing or self._cut_pending or not self.sync_interval:
+                return None
+            rid = f"{self._id_prefix}{next(self._ids):x}"
+            data = self._pack_put(rid, now, piece, self._tail)
+            fd = self._fd  # stays: compaction and close take the writer role to change it
+            self._writing = True
+            lock.release()
+            try:
+                written = os.write(fd, data)
+            except OSError:
+                written = -1
+            finally:
+                lock.acquire()
+                self._writing = False
+                if self._waiting:
+                    self._cond.notify_all()
+            if written != len(data):  # nothing or a part written: the general path says why
+                if written > 0:
+                    try:
+                        os.ftruncate(fd, self._size)
+                    except OSError:
+                        self._cut_pending = True
+                return None
+            self._records[rid] = (now, first)
+            if self._fresh is not None:
+                self._fresh.add(rid)
+            self._size += written
+            self._entries += 1
+            if self._since is not None:
+                self._since.append((data, 1))
+            self.version += 1
+            self.writes += 1
+            self.last_write = now
+            if self._entries >= COMPACT_MIN_ENTRIES and self._entries > 2 * len(self._records):
+                self._compact_wanted = True
+                self._wake_worker.set()
+        finally:
+            lock.release()
+        for fn in self._listeners:
+            fn()
+        return rid
 
     def _shared(self, resource: str, devices: Sequence[Any], response: Any
                 ) -> tuple[Record, bytes]:
@@ -448,12 +508,7 @@ class Journal:
 
     def _add(self, held: list[tuple[str, Any]], out: list[bytes]) -> None:
         """Write `out`, then hold each (ID, record or compact form) of `held`."""
-        def add(records: dict) -> None:
-            records.update(held)
-            if self._fresh is not None:
-                self._fresh.update(rid for rid, _ in held)
-
-        self._submit(out, add)
+        self._submit(out, held)
         for fn in self._listeners:
             fn()
 
@@ -503,15 +558,14 @@ class Journal:
                     change(self._records)
                     self.version += 1
             return False
-        self._submit(out, change)
+        self._submit(out, change=change)
         return True
 
     def set_keyed_by(self, keyed_by: str) -> None:
         """A new checkpointDeviceIDStrategy: noted in memory and in the journal."""
         self.keyed_by = keyed_by
         try:
-            self._submit([frames.meta_frame(self.boot, keyed_by, self.clock())],
-                         lambda records: None, count=False)
+            self._submit([frames.meta_frame(self.boot, keyed_by, self.clock())], count=False)
         except StateError as exc:
             log.warning("the journal does not note the new key yet: %s", exc)
 
@@ -543,22 +597,28 @@ class Journal:
                 self._writing = False
                 self._notify()
 
-    def _submit(self, out: list[bytes], change: Callable[[dict], None], count: bool = True
-                ) -> None:
+    def _submit(self, out: list[bytes], held: Sequence[tuple[str, Any]] = (),
+                change: Callable[[dict], None] | None = None, count: bool = True) -> None:
+        """Write the frames `out`; once written, hold each (ID, record or compact form) of
+        `held` and apply `change` to the records held. StateError if they were not written
+        (nothing changes then)."""
         with self._lock:
             if self.blocked:
                 raise StateError(self.blocked)
             if not self._writing and self._batch is None:
                 # alone, the usual case: write at once, no batch to queue in
                 self._writing = True
-                error = self._lead(out[0] if len(out) == 1 else b"".join(out), (change,),
+                error = self._lead(out[0] if len(out) == 1 else b"".join(out), held,
+                                   () if change is None else (change,),
                                    len(out) if count else 0)
             else:
                 batch = self._batch
                 if batch is None:
                     batch = self._batch = _Batch()
                 batch.frames.extend(out)
-                batch.changes.append(change)
+                batch.held.extend(held)
+                if change is not None:
+                    batch.changes.append(change)
                 if count:
                     batch.entries += len(out)
                 while not batch.done:
@@ -567,17 +627,19 @@ class Journal:
                         continue
                     # leader: write everything waiting, our batch included
                     self._writing, self._batch = True, None
-                    batch.error = self._lead(b"".join(batch.frames), batch.changes,
-                                             batch.entries)
+                    batch.error = self._lead(b"".join(batch.frames), batch.held,
+                                             batch.changes, batch.entries)
                     batch.done = True
                 error = batch.error
             if error is not None:
                 raise StateError(f"cannot write the journal {self.path}: {error}") from error
 
-    def _lead(self, data: bytes, changes: Sequence[Callable[[dict], None]], entries: int
-              ) -> BaseException | None:
-        """Write `data` (the writer role taken, the lock held, let go meanwhile), apply
-        `changes` if it was written, give the role back; the error if it was not."""
+    def _lead(self, data: bytes, held: Sequence[tuple[str, Any]],
+              changes: Sequence[Callable[[dict], None]], entries: int) -> BaseException | None:
+        """Write `data` (the writer role taken, the lock held, let go meanwhile), hold `held`
+        and apply `changes` if it was written (new IDs and the records a reconciliation
+        changes never overlap: the order between them does not matter), give the role
+        back; the error if it was not."""
         self._lock.release()
         try:
             error = self._append(data)
@@ -588,8 +650,13 @@ class Journal:
             self._lock.acquire()
         if error is None:
             try:
+                records = self._records
+                if held:
+                    records.update(held)
+                    if self._fresh is not None:
+                        self._fresh.update(rid for rid, _ in held)
                 for fn in changes:
-                    fn(self._records)
+                    fn(records)
             finally:
                 self._size += len(data)
                 self._entries += entries
