@@ -408,7 +408,7 @@ class Journal:
         is the `journal` hook of agent.rm.manager.ResourceManager."""
         now = self.clock()
         if len(containers) == 1:
-            rid = self._write_alone(now, *containers[0])
+            rid = self._write_alone(now, containers[0][1])
             if rid is not None:
                 return [rid]
         held, out = [], []
@@ -420,7 +420,7 @@ class Journal:
         self._add(held, out)
         return [rid for rid, _ in held]
 
-    def _write_alone(self, now: float, devices: Sequence[Any], response: Any) -> str | None:
+    def _write_alone(self, now: float, response: Any) -> str | None:
         """The usual Allocate, in one function: one container, an answer packed before, no
         other write under way or queued, the file open and working, syncs left to the
         worker. Writes its entry, holds its record and returns its ID; None, having changed

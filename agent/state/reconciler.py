@@ -236,10 +236,7 @@ class Reconciler:
         """An Allocate was recorded: reconcile soon (DEBOUNCE_S, shared by the Allocates
         meanwhile), but no sooner than PASS_SPACING times the last pass after it
         (a pass walks every record: with thousands unclaimed it takes a while)."""
-        delay = max(DEBOUNCE_S, PASS_SPACING * self.last_duration)
-        due = self._due
-        if due is None or time.monotonic() + delay < due:  # else a pass is due no later
-            self.poke(delay)
+        self.poke(max(DEBOUNCE_S, PASS_SPACING * self.last_duration))
 
     def status(self) -> dict:
         return {
