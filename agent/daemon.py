@@ -106,7 +106,7 @@ class Daemon:
             sync_interval=cfg.journal_sync_interval, connect=PodResourcesClient,
             devices=self.resources.advertised, environ=self.environ)
         self.state.start()
-        self.resources.set_journal(self.state.record_allocation, self.state.journal.records)
+        self.resources.set_journal(self.state.journal)
 
     def _bring_up(self, first: bool = False) -> None:
         """NVML and discovery, then advertise; on failure exit (failOnInitError true, at

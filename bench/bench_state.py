@@ -225,12 +225,12 @@ def _pack_entry() -> dict[str, list[float]]:
                   gpus=tuple(ck.GpuRef(d.gpu_uuid, d.gpu_index) for d in ds),
                   response=ck.Response(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)}),
                   time=0.0, boot="bench")
-    piece, tail, now = frames.answer_piece(r), frames.tail_piece("bench"), time.time()
+    answer, boot, now = frames.answer_piece(r), frames.tail_piece("bench"), time.time()
     rid = f"{os.urandom(6).hex()}-1f4a"
     out: dict[str, list[float]] = {"cython": [], "python": []}
     for _ in range(PACK_BATCHES):
-        for name, pack in (("cython", entries.new_put_frame),
-                           ("python", _entries_py.new_put_frame)):
+        for name, module in (("cython", entries), ("python", _entries_py)):
+            pack, piece, tail = module.new_put_frame, module.Piece(answer), module.Piece(boot)
             started = time.perf_counter()
             for _ in range(PACK_CALLS):
                 pack(rid, now, piece, tail)

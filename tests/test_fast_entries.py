@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import struct
 import types
+import zlib
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_state_format import records
 
@@ -253,13 +254,44 @@ def test_the_compiled_replay_shares_what_records_repeat():
 
 
 @_SETTINGS
+@given(prefix=st.text(alphabet=st.characters(max_codepoint=127), max_size=64))
+def test_record_ids_are_the_prefix_then_a_hex_count(fast_impl, prefix):
+    ids = fast_impl.entries.Ids(prefix)
+    assert [ids() for _ in range(300)] == [f"{prefix}{n:x}" for n in range(1, 301)]
+
+
+def test_an_id_prefix_too_long_is_refused(fast_impl):
+    with pytest.raises(ValueError, match="at most 64"):
+        fast_impl.entries.Ids("x" * 65)
+
+
+@_SETTINGS
+@given(rid=st.text(max_size=40), t=st.floats(allow_nan=False), answer=st.binary(max_size=2000),
+       tail=st.binary(max_size=300))
+@example(rid="a", t=1.5, answer=b"", tail=b"")
+@example(rid="b" * 40, t=-0.0, answer=bytes(range(256)) * 20, tail=b"\xff" * 299)
+def test_a_new_entrys_checksum_joined_from_its_pieces_is_zlibs(rid, t, answer, tail):
+    # the compiled module checksums only the ID and time and joins the pieces' checksums
+    # (zlib's crc32_combine); any bytes, empty pieces too, give the twin's frame, which is
+    # zlib.crc32 of the whole payload
+    from agent._fast import _entries_py as twin
+    from agent._fast import entries as compiled
+
+    frame = compiled.new_put_frame(rid, t, compiled.Piece(answer), compiled.Piece(tail))
+    assert frame == twin.new_put_frame(rid, t, twin.Piece(answer), twin.Piece(tail))
+    length, crc = struct.unpack_from("<II", frame)
+    assert length == len(frame) - 8 and crc == zlib.crc32(frame[8:])
+
+
+@_SETTINGS
 @given(r=records(), rid=st.one_of(st.text(max_size=40), st.text(min_size=200, max_size=300),
                                   st.just("x" * 70_000)))
 def test_a_new_records_entry_is_what_msgpack_packs(fast_impl, r, rid):
     # IDs of every msgpack str head (fixstr, str 8, 16, 32 by their UTF-8 length), any text
     new = r._replace(id=rid, pod=None, confirmed=None)
-    packed = fast_impl.entries.new_put_frame(rid, new.time, frames.answer_piece(new),
-                                             frames.tail_piece(new.boot))
-    assert packed == frames.put_frame(new)
+    e = fast_impl.entries
+    packed = e.new_put_frame(rid, new.time, e.Piece(frames.answer_piece(new)),
+                             e.Piece(frames.tail_piece(new.boot)))
+    assert packed == frames.put_frame(new)  # its checksum too: zlib's of the whole payload
     assert frames.scan(frames.MAGIC + frames.meta_frame(new.boot, "uuid", 1.0) + packed,
                        fast_impl.entries).records == {rid: new}

@@ -167,3 +167,27 @@ def test_every_strategy_names_exactly_the_requested_devices(order, id_strategy):
     assert r.envs["NVIDIA_VISIBLE_DEVICES"].split(",") == expect
     assert r.cdi_devices == [f"nvidia.com/gpu={i}" for i in expect]
     assert next(iter(r.annotations.values())).split(",") == r.cdi_devices
+
+
+def test_a_kept_answers_recorder_records_with_the_journal_of_its_time():
+    # the plugin keeps an answer's recorder with its bytes; a journal loaded later (the
+    # daemon loads it after the first registration) makes the manager answer anew, so
+    # recorders made before it are not used again
+    calls = []
+    m = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions(),
+                        journal=lambda res, hits: calls.append(("waiting hook", res, len(hits))))
+    hits, token = m.answers([[DEVICES[0].id]])
+    m.recorder(hits)()
+    assert calls == [("waiting hook", RESOURCE_GPU, 1)] and m.answering is token
+
+    def prepare(res, prepared):
+        return lambda: calls.append(("journal", res, prepared[0][0][0].id))
+
+    m.set_journal(lambda res, hits: calls.append(("journal hook", res, len(hits))), prepare)
+    assert m.answering is not token
+    again, token = m.answers([[DEVICES[0].id]])
+    assert [d.id for d in again[0][0]] == [DEVICES[0].id]  # answered anew, under a new token
+    m.recorder(again)()
+    m.record(again)
+    assert calls[1:] == [("journal", RESOURCE_GPU, DEVICES[0].id),
+                         ("journal hook", RESOURCE_GPU, 1)]

@@ -219,7 +219,7 @@ def _life(node: Node, rng: random.Random, returned: list[str], strategy: str
     # through the journal's general path
     "envvar,cdi-annotations",
     # the same device sets again and again: the plugin keeps its answers, and the journal
-    # records them with its one-function path (Journal._write_alone)
+    # records them with its one-function path (Journal._record_one)
     "envvar",
 ])
 def test_kill_9_at_random_moments_never_loses_an_answered_allocation(node, strategy):

@@ -82,6 +82,38 @@ def test_records_survive_a_new_journal(state):
     assert again.loaded == 4 and again.set_aside == []
 
 
+def test_a_recorder_writes_a_record_each_time_it_is_called(state):
+    # what the plugin keeps with an answer: each repeat of the same Allocate is a record of
+    # its own, in the file when the call returns, as record_allocation writes it
+    j = journal_at(state)
+    one = [DEVICES[3]]
+    record = j.recorder("nvidia.com/gpu", [(one, container_response(one, OPTIONS))])
+    both = [(DEVICES[i:i + 1], container_response(DEVICES[i:i + 1], OPTIONS)) for i in (4, 6)]
+    record_two = j.recorder("nvidia.com/gpu", both)  # two containers: the general path
+    ids = [record() for _ in range(3)] + [record_two()]
+    assert [len(i) for i in ids] == [1, 1, 1, 2] and len({r for i in ids for r in i}) == 5
+    on_disk = {r.id: r for r in read_journal(j.path).records}
+    assert on_disk == {r.id: r for r in j.records()} and len(on_disk) == 5
+    assert [on_disk[i[0]].devices for i in ids[:3]] == [(DEVICES[3].id,)] * 3
+    assert [on_disk[i].devices for i in ids[3]] == [(DEVICES[4].id,), (DEVICES[6].id,)]
+    assert journal_at(state).records() == j.records()
+
+
+def test_an_armed_call_comes_once_after_the_next_allocate_is_written(state):
+    # the reconciler's "a pass soon" (Journal.arm): once per arming, whichever path records
+    j = journal_at(state)
+    seen = []
+    j.arm(lambda: seen.append(len(read_journal(j.path).records)))
+    allocate(j, 0)
+    allocate(j, 1)
+    assert seen == [1]
+    j.arm(lambda: seen.append(len(read_journal(j.path).records)))
+    j.recorder("nvidia.com/gpu", [([d], container_response([d], OPTIONS))
+                                  for d in DEVICES[2:4]])()
+    allocate(j, 4)
+    assert seen == [1, 4]
+
+
 def test_concurrent_callers_share_writes_and_each_returns_durable(state):
     j = journal_at(state)
     callers, per_caller = 32, 8

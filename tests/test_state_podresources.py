@@ -189,3 +189,52 @@ def test_without_podresources_a_pass_still_sees_a_gpu_gone(short_dir):
     [(dropped, why)] = r.run_once().dropped
     assert dropped.id == rec.id and "GPU-3 (index 3) is no longer on this host" in why
     assert j.records() == ()
+
+
+class _Listing(pr_grpc.PodResourcesListerServicer):
+    """List answers the containers in `pods` (name -> device IDs) and counts its calls."""
+
+    def __init__(self):
+        self.pods: dict[str, list[str]] = {}
+        self.cond = threading.Condition()
+
+    def List(self, request, context):
+        with self.cond:
+            pods = dict(self.pods)
+        return pr.ListPodResourcesResponse(pod_resources=[pr.PodResources(
+            name=name, namespace="ml", containers=[pr.ContainerResources(
+                name="main", devices=[pr.ContainerDevices(resource_name=RES, device_ids=ids)])])
+            for name, ids in pods.items()])
+
+
+def _attributed(j: Journal, rid: str, timeout: float = 30.0):
+    """The pod record `rid` is attributed to, once a pass has attributed it (None if no pass
+    did within `timeout`: the period is a minute, so only an Allocate asks for one sooner)."""
+    done = threading.Event()
+    while not done.wait(0.02) and timeout > 0:
+        timeout -= 0.02
+        pod = next(r.pod for r in j.records() if r.id == rid)
+        if pod is not None:
+            return pod
+    return None
+
+
+def test_each_allocate_after_a_pass_asks_for_the_next_one(short_dir):
+    # the journal calls the reconciler for the first Allocate after a pass began or ended
+    # only (Journal.arm): the next Allocate after that pass must ask again, or its record
+    # waits for the period (a minute here) to meet its pod
+    socket = os.path.join(short_dir, "kubelet.sock")
+    listing = _Listing()
+    server = _serve(socket, listing)
+    j = _journal(short_dir)
+    r = _reconciler(j, socket)
+    r.start()
+    try:
+        for n, pod in enumerate(("a", "b", "c"), 1):
+            with listing.cond:
+                listing.pods[pod] = [f"GPU-{n}"]  # kubelet lists the container...
+            rec = _allocate(j, n)  # ...whose Allocate comes now
+            assert _attributed(j, rec.id) == PodRef("ml", pod, "main"), pod
+    finally:
+        r.stop()
+        server.stop(None)

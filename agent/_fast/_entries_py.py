@@ -8,20 +8,22 @@ drop of a known record; stop before the first that is not, leaving it unapplied)
 replays every entry of the journal, so this is the part that runs 10,000 times; the caller
 (agent.state.frames.scan) replays the frame where it stopped with its own checks, and that
 decides what is wrong or cut short. So these functions never accept more than the checked path
-and never say why they stopped. `new_put_frame` packs the entry every Allocate writes. The
+and never say why they stopped. `new_put_frame` packs the entry every Allocate writes, of
+`Piece`s made once per answer, under an ID from `Ids`. The
 record types are handed in (`kinds`: record, GPU, pod, response, mount and device-spec
 classes, agent.state.checkpoint.KINDS): must not import anything of `agent`, nor touch files.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from typing import Any
 
 import msgpack
 
-__all__ = ["new_put_frame", "record", "replay"]
+__all__ = ["Ids", "Piece", "new_put_frame", "record", "replay"]
 
 _HEAD = struct.Struct("<II")
 HEAD_SIZE = _HEAD.size
@@ -173,12 +175,40 @@ _K_TIME = msgpack.packb("time")
 _TIME = struct.Struct(">Bd")
 
 
-def new_put_frame(record_id: str, time: float, answer: bytes, tail: bytes) -> bytes:
+class Ids:
+    """New record IDs, one per call: `prefix` (ASCII, up to 64 characters), then a count from
+    1 in lowercase hex. A call is atomic (next() on a count is)."""
+
+    def __init__(self, prefix: str):
+        if len(prefix.encode("ascii")) > 64:
+            raise ValueError(f"an ID prefix of at most 64 characters, not {len(prefix)}")
+        self._prefix = prefix
+        self._count = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):x}"
+
+
+class Piece:
+    """Packed bytes that go whole into new entries (an answer: agent.state.frames.answer_piece;
+    the tail: frames.tail_piece). The compiled module prepares their checksum here; this one
+    checksums each frame whole."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        if type(data) is not bytes:
+            raise TypeError(f"a Piece is made of bytes, not {type(data).__name__}")
+        self.data = data
+
+
+def new_put_frame(record_id: str, time: float, answer: Piece, tail: Piece) -> bytes:
     """The frame of a "put" entry of a new record: its ID, then `answer` (the packed resource,
-    devices, GPUs and response: agent.state.frames.answer_piece), its time, then `tail` (the
-    packed boot, pod and confirmed: frames.tail_piece). The bytes agent.state.frames.put_frame
-    writes for the same record, without a msgpack Packer (each allocates its own buffer)."""
+    devices, GPUs and response), its time, then `tail` (the packed boot, pod and confirmed). The
+    bytes agent.state.frames.put_frame writes for the same record, without a msgpack Packer
+    (each allocates its own buffer)."""
     rid = record_id.encode()
     head = _FIXSTR[len(rid)] if len(rid) < 32 else msgpack.packb(record_id)[:-len(rid)]
-    payload = b"".join((_PUT_HEAD, head, rid, answer, _K_TIME, _TIME.pack(0xCB, time), tail))
+    payload = b"".join((_PUT_HEAD, head, rid, answer.data, _K_TIME, _TIME.pack(0xCB, time),
+                        tail.data))
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload

@@ -9,8 +9,9 @@ straight from the frame's bytes into the record (`_Put`), with no msgpack map or
 between, and the resource, boot, devices, GPUs and response that records repeat are made once
 per replay and shared; any other entry, or a put in another encoding, goes through
 msgpack.unpackb and `record` as in the twin. The checksum is the call the twin makes
-(zlib.crc32). `new_put_frame` writes the payload of every Allocate's entry in C, its checksum the
-twin's call (zlib.crc32). Must not
+(zlib.crc32). `new_put_frame` writes every Allocate's entry in C into one buffer; its checksum
+is zlib's CRC-32 of the bytes it adds (the ID and time) joined with those its `Piece`s computed
+once (zlib's crc32_combine): the twin's bytes, without reading the pieces again. Must not
 import anything of `agent`, touch files, or say why it stopped (agent.state.frames.scan
 replays that frame with its checks).
 """
@@ -20,11 +21,15 @@ import zlib
 import msgpack
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from cpython.unicode cimport (
+    PyUnicode_AsUTF8AndSize,
+    PyUnicode_DecodeASCII,
+    PyUnicode_DecodeUTF8,
+)
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, strlen
 
-__all__ = ["new_put_frame", "record", "replay"]
+__all__ = ["Ids", "Piece", "new_put_frame", "record", "replay"]
 
 cdef enum:
     HEAD_SIZE = 8  # <u32 length> <u32 CRC-32>, as agent.state.frames writes them
@@ -518,19 +523,129 @@ cdef inline unsigned char* _le32(unsigned char* q, uint32_t v) noexcept:
     return q + 4
 
 
-def new_put_frame(str record_id, double time, bytes answer, bytes tail):
+# CRC-32 as zlib computes it (reflected, polynomial 0xEDB88320), over the few bytes an Allocate's
+# entry adds, and zlib's crc32_combine (multmodp, x2nmodp) to join the checksums of the pieces
+# computed once: the pieces' bytes are not read again per Allocate (they are its cold cache
+# misses: the handler runs after the client and kubelet had the CPU).
+cdef uint32_t _POLY = 0xEDB88320
+cdef uint32_t _CRC_TABLE[256]
+cdef uint32_t _X2N[32]  # x^(2^k) modulo the polynomial
+
+
+cdef uint32_t _multmodp(uint32_t a, uint32_t b) noexcept nogil:
+    """a times b modulo the polynomial (a is never 0: no power of x is)."""
+    cdef uint32_t m = (<uint32_t>1) << 31, p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+cdef uint32_t _x2nmodp(Py_ssize_t n, unsigned int k) noexcept nogil:
+    """x^(n * 2^k) modulo the polynomial."""
+    cdef uint32_t p = (<uint32_t>1) << 31  # x^0
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+cdef inline uint32_t _crc_more(uint32_t crc, const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """zlib.crc32(bytes, crc): the checksum of what `crc` is the checksum of, then the n bytes."""
+    cdef uint32_t c = ~crc  # zlib's conditioning: the register starts and ends inverted
+    cdef Py_ssize_t i
+    for i in range(n):
+        c = _CRC_TABLE[(c ^ p[i]) & 0xFF] ^ (c >> 8)
+    return ~c
+
+
+cdef void _crc_tables() noexcept:
+    cdef uint32_t c, p
+    cdef int i, k
+    for i in range(256):
+        c = i
+        for k in range(8):
+            c = (c >> 1) ^ _POLY if c & 1 else c >> 1
+        _CRC_TABLE[i] = c
+    p = (<uint32_t>1) << 30  # x^1
+    _X2N[0] = p
+    for k in range(1, 32):
+        p = _multmodp(p, p)
+        _X2N[k] = p
+
+
+_crc_tables()
+
+
+cdef class Piece:
+    """Packed bytes that go whole into new entries (an answer: agent.state.frames.answer_piece;
+    the tail: frames.tail_piece), with their checksum and the shift of a checksum over their
+    length prepared, so that `new_put_frame` reads only the bytes it adds."""
+
+    cdef readonly bytes data
+    cdef uint32_t crc, shift
+
+    def __cinit__(self, bytes data not None):
+        self.data = data
+        self.crc = _crc32(data)
+        self.shift = _x2nmodp(PyBytes_GET_SIZE(data), 3)  # 8 bits a byte: x^(8n)
+
+
+cdef class Ids:
+    """New record IDs, one per call: `prefix` (ASCII, up to 64 characters), then a count from
+    1 in lowercase hex. A call is atomic (it never lets the GIL go)."""
+
+    cdef bytes prefix
+    cdef unsigned long long count
+
+    def __cinit__(self, str prefix not None):
+        self.prefix = prefix.encode("ascii")
+        if len(self.prefix) > 64:
+            raise ValueError(f"an ID prefix of at most 64 characters, not {len(self.prefix)}")
+        self.count = 0
+
+    def __call__(self):
+        cdef char buf[80]
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(self.prefix), digits = 0, i
+        cdef unsigned long long v
+        self.count += 1
+        v = self.count
+        while True:  # how many hex digits
+            digits += 1
+            v >>= 4
+            if not v:
+                break
+        memcpy(buf, PyBytes_AS_STRING(self.prefix), n)
+        v = self.count
+        for i in range(n + digits - 1, n - 1, -1):
+            buf[i] = b"0123456789abcdef"[v & 15]
+            v >>= 4
+        return PyUnicode_DecodeASCII(buf, n + digits, NULL)
+
+
+def new_put_frame(str record_id, double time, Piece answer, Piece tail):
     """The frame of a "put" entry of a new record: its ID, then `answer` (the packed resource,
-    devices, GPUs and response: agent.state.frames.answer_piece), its time, then `tail` (the
-    packed boot, pod and confirmed: frames.tail_piece); the twin's bytes."""
+    devices, GPUs and response), its time, then `tail` (the packed boot, pod and confirmed);
+    the twin's bytes, in one buffer, the checksum joined from the pieces' (zlib's
+    crc32_combine)."""
     cdef Py_ssize_t nrid
     cdef const char* rid = PyUnicode_AsUTF8AndSize(record_id, &nrid)
     # msgpack's str head: fixstr, str 8, str 16 or str 32 by the UTF-8 length
     cdef Py_ssize_t nhead = 1 if nrid < 32 else 2 if nrid < 0x100 else 3 if nrid < 0x10000 else 5
-    cdef Py_ssize_t nanswer = PyBytes_GET_SIZE(answer), ntail = PyBytes_GET_SIZE(tail)
-    cdef Py_ssize_t n = 9 + nhead + nrid + nanswer + 5 + 9 + ntail
-    cdef bytes payload = PyBytes_FromStringAndSize(NULL, n)
-    cdef unsigned char* q = <unsigned char*>PyBytes_AS_STRING(payload)
+    cdef Py_ssize_t nanswer = PyBytes_GET_SIZE(answer.data), ntail = PyBytes_GET_SIZE(tail.data)
+    cdef Py_ssize_t nid = 9 + nhead + nrid  # the entry's head, up to the ID's end
+    cdef Py_ssize_t n = nid + nanswer + 5 + 9 + ntail
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, HEAD_SIZE + n)
+    cdef unsigned char* start = <unsigned char*>PyBytes_AS_STRING(out) + HEAD_SIZE
+    cdef unsigned char* q = start
+    cdef unsigned char* at_time
     cdef uint64_t bits
+    cdef uint32_t crc
     cdef int i
     memcpy(q, PyBytes_AS_STRING(_PUT_HEAD), 9)
     q += 9
@@ -546,8 +661,9 @@ def new_put_frame(str record_id, double time, bytes answer, bytes tail):
     q += nhead
     memcpy(q, rid, nrid)
     q += nrid
-    memcpy(q, PyBytes_AS_STRING(answer), nanswer)
+    memcpy(q, PyBytes_AS_STRING(answer.data), nanswer)
     q += nanswer
+    at_time = q
     memcpy(q, PyBytes_AS_STRING(_K_TIME), 5)
     q += 5
     q[0] = 0xCB  # float 64, big-endian
@@ -555,10 +671,11 @@ def new_put_frame(str record_id, double time, bytes answer, bytes tail):
     for i in range(8):
         q[1 + i] = (bits >> (56 - 8 * i)) & 0xFF
     q += 9
-    memcpy(q, PyBytes_AS_STRING(tail), ntail)
-    cdef uint32_t crc = _crc32(payload)
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, HEAD_SIZE + n)
+    memcpy(q, PyBytes_AS_STRING(tail.data), ntail)
+    crc = _crc_more(0, start, nid)
+    crc = _multmodp(answer.shift, crc) ^ answer.crc
+    crc = _crc_more(crc, at_time, 14)
+    crc = _multmodp(tail.shift, crc) ^ tail.crc
     q = _le32(<unsigned char*>PyBytes_AS_STRING(out), <uint32_t>n)
-    q = _le32(q, crc)
-    memcpy(q, PyBytes_AS_STRING(payload), n)
+    _le32(q, crc)
     return out

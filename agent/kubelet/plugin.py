@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -120,12 +120,12 @@ def _timed(histogram: latency.Histogram, handler, request, context):
 
 
 class _Kept(NamedTuple):
-    """An Allocate answer as `_DevicePlugin` keeps it: the manager's token it holds under, the
-    (devices, response) of each container for the journal, the bytes sent, and each
+    """An Allocate answer as `_DevicePlugin` keeps it: the manager's token it holds under, what
+    records it in the journal (the manager's `recorder`), the bytes sent, and each
     container's GPUs for its log line."""
 
     token: object
-    hits: list
+    record: Callable[[], object]
     data: bytes
     lines: tuple
 
@@ -172,8 +172,28 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request, context):
         return _timed(self._preferred_latency, self._preferred, request, context)
 
-    def Allocate(self, request, context):
-        return _timed(self._allocate_latency, self._allocate, request, context)
+    def Allocate(self, raw: bytes, context) -> bytes:
+        """Allocate on the wire's bytes (see `_add_servicer`): the answer kept for these
+        bytes, or a new one; recorded in the journal before it is sent. `_timed`, inline:
+        every call of this path costs the Allocate (docs/state.md, "What an Allocate
+        costs")."""
+        started = time.perf_counter()
+        try:
+            manager = self.manager
+            kept = self._kept.get(raw)
+            if kept is None or kept.token is not manager.answering:
+                kept = self._answer(raw, context)
+            try:
+                kept.record()
+            except StateError as exc:  # not recorded: kubelet must not start the container
+                log.error("%s: Allocate failed: %s", manager.resource, exc)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
+            for gpus in kept.lines:  # the line operators grep for, made off this thread
+                logs.later(log, logging.INFO, "%s: allocated to a container: %s",
+                           manager.resource, gpus)
+            return kept.data
+        finally:
+            self._allocate_latency.observe(time.perf_counter() - started)
 
     def _preferred(self, request, context):
         requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
@@ -187,23 +207,6 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
                   [(r.size, list(r.must_include)) for r in requests])
         return dp.PreferredAllocationResponse(container_responses=[
             dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
-
-    def _allocate(self, raw: bytes, context) -> bytes:
-        """Allocate on the wire's bytes (see `_add_servicer`): the answer kept for these
-        bytes, or a new one; recorded by the manager's journal before it is sent."""
-        manager = self.manager
-        kept = self._kept.get(raw)
-        if kept is None or kept.token is not manager.answering:
-            kept = self._answer(raw, context)
-        try:
-            manager.record(kept.hits)
-        except StateError as exc:  # not recorded: kubelet must not start the container
-            log.error("%s: Allocate failed: %s", manager.resource, exc)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        for gpus in kept.lines:  # the line operators grep for, made off this thread
-            logs.later(log, logging.INFO, "%s: allocated to a container: %s", manager.resource,
-                       gpus)
-        return kept.data
 
     def _answer(self, raw: bytes, context) -> _Kept:
         """The answer to the AllocateRequest `raw`, kept for its bytes when the manager keeps
@@ -224,7 +227,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         answer = dp.AllocateResponse(container_responses=[
             _container_response(response) for _, response in hits])
-        kept = _Kept(token, hits, answer.SerializeToString(),
+        kept = _Kept(token, manager.recorder(hits), answer.SerializeToString(),
                      tuple(_Gpus(devices) for devices, _ in hits))
         if token is not None and len(raw) <= REQUEST_KEPT_BYTES:
             if len(self._kept) >= ANSWERS_KEPT:
@@ -239,7 +242,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
 def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
     """dp_grpc.add_DevicePluginServicer_to_server, with Allocate taking and returning the
     bytes on the wire: its requests repeat and its answers are kept, so neither needs a
-    message made or serialized per call (`_DevicePlugin._allocate`)."""
+    message made or serialized per call (`_DevicePlugin.Allocate`)."""
     def unary(method, request, response):
         return grpc.unary_unary_rpc_method_handler(
             method, request_deserializer=request.FromString,

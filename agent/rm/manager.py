@@ -11,6 +11,7 @@ changes come in through `set_health`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -64,7 +65,10 @@ class ResourceManager:
 
     def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions, *,
                  journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
-                 | None = None, topology: TopologyModel | None = None,
+                 | None = None,
+                 prepare: Callable[[str, list[tuple[list[Device], ContainerResponse]]],
+                                   Callable[[], object]] | None = None,
+                 topology: TopologyModel | None = None,
                  allocation_policy: str = "best-effort",
                  replica_policy: str = "distributed", one_replica: bool = False,
                  one_gpu: bool = False):
@@ -76,6 +80,9 @@ class ResourceManager:
         # Called with (resource, [(devices, response) per container]) before Allocate answers;
         # it returns once the allocation is durable or raises (agent.state.journal).
         self.journal = journal
+        # Called with the same for an answer a caller keeps: what records it, as `journal`
+        # would, on each repeat (`recorder`); None: `record` bound to it.
+        self.prepare = prepare
         self.devices: tuple[Device, ...] = tuple(devices)
         self.by_id = {d.id: d for d in self.devices}
         # The node's link model, built once per device set (agent.rm.topology); without one,
@@ -229,6 +236,25 @@ class ResourceManager:
         (StateError if not); nothing without a `journal`."""
         if self.journal is not None:
             self.journal(self.resource, hits)
+
+    def recorder(self, hits: list[tuple[list[Device], ContainerResponse]]
+                 ) -> Callable[[], object]:
+        """What records one Allocate answered with `hits` each time it is called, as
+        `record(hits)` does: made once per answer a caller keeps (the journal's own when it
+        prepares them, `prepare`)."""
+        prepare = self.prepare
+        if prepare is not None:
+            return prepare(self.resource, hits)
+        return functools.partial(self.record, hits)
+
+    def set_journal(self, journal: Callable, prepare: Callable | None) -> None:
+        """Record with `journal` and `prepare` from now on. Answers given before are not given
+        again (a caller that keeps one finds a new `answering`): their recorders are the
+        ones made before."""
+        with self._cond:
+            self.journal, self.prepare = journal, prepare
+            options, by_id, _, one_replica = self.answering
+            self.answering = (options, by_id, {}, one_replica)
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one

@@ -68,6 +68,7 @@ class Resources:
 
     def __init__(self) -> None:
         self._journal: Callable | None = None
+        self._prepare: Callable | None = None
         self._records: Callable[[], Sequence] = tuple  # the journal's records, once loaded
         self._journal_set = threading.Event()
         self.mig_watch = MigWatch()
@@ -77,11 +78,14 @@ class Resources:
         self.topology: TopologyModel | None = None
         self.mps: dict[str, MpsGpu] = {}  # the GPUs sharing.mps shares (agent.mps runs them)
 
-    def set_journal(self, journal: Callable, records: Callable[[], Sequence]) -> None:
-        self._journal, self._records = journal, records
+    def set_journal(self, journal: Any) -> None:
+        """Record with `journal` (agent.state.journal.Journal, loaded) from now on: its
+        record_allocation, recorder and records."""
+        self._journal, self._prepare = journal.record_allocation, journal.recorder
+        self._records = journal.records
         self._journal_set.set()
-        for manager in self.managers.values():  # from now on straight to it: one call less
-            manager.journal = journal           # per Allocate (a manager made since has it)
+        for manager in self.managers.values():  # from now on straight to it: fewer calls
+            manager.set_journal(self._journal, self._prepare)  # per Allocate (and made since)
 
     def _hook(self) -> Callable:
         """The journal hook a new manager gets: the journal once loaded, `_record` before."""
@@ -133,7 +137,7 @@ class Resources:
             manager = self.managers.get(name)
             if manager is None:
                 manager = ResourceManager(name, devices, options, journal=self._hook(),
-                                          topology=topology, **policies)
+                                          prepare=self._prepare, topology=topology, **policies)
             else:
                 manager.reconfigure(devices, options, topology=topology, **policies)
             managers[name] = manager

@@ -38,12 +38,6 @@ class AllocationState:
                                keyed_by=keyed_by, sync_interval=sync_interval)
         self.reconciler = Reconciler(self.journal, socket_path, connect=connect,
                                      devices=devices, period=period)
-        self.journal.add_listener(self.reconciler.after_allocate)
-
-    @property
-    def record_allocation(self) -> Callable:
-        """The ResourceManager `journal` hook."""
-        return self.journal.record_allocation
 
     @property
     def version(self) -> int:

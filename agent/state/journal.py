@@ -23,8 +23,8 @@ Must not import grpc or NVML code, nor decide which records stand (agent.state.r
 
 from __future__ import annotations
 
+import functools
 import glob
-import itertools
 import logging
 import os
 import threading
@@ -174,14 +174,17 @@ class Journal:
         # syncs on its own clock, once per interval, whatever the rate of Allocates)
         self._wake_worker = threading.Event()
         self._worker: threading.Thread | None = None
-        self._listeners: list[Callable[[], None]] = []
-        # record IDs: random per process, then counted (unique without a syscall per record)
-        self._id_prefix = os.urandom(6).hex() + "-"
-        self._ids = itertools.count(1)  # next() is atomic: concurrent Allocates never share
+        # called once at the next append of Allocate records, then disarmed (`arm`)
+        self._armed: Callable[[], None] | None = None
         self._answers: dict[int, tuple[Any, tuple]] = {}  # by the manager's response object
-        self._tail = frames.tail_piece(boot)
-        # packs each Allocate's entry (agent._fast: the live one unless `entries_module` is given)
-        self._pack_put = (entries_module or _fast.entries_impl).new_put_frame
+        # packs each Allocate's entry (agent._fast: the live one unless `entries_module` is
+        # given) of pieces made once: the boot's here, each answer's in `_shared`
+        entries = entries_module or _fast.entries_impl
+        self._pack_put, self._piece = entries.new_put_frame, entries.Piece
+        # record IDs: random per process, then counted (unique without a syscall per record;
+        # a call is atomic: concurrent Allocates never share one)
+        self._new_id = entries.Ids(os.urandom(6).hex() + "-")
+        self._tail = self._piece(frames.tail_piece(boot))
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
         self.failing = ""  # why writes or syncs fail now ("" while they work)
         self.version = 0  # bumped on every change in memory
@@ -361,10 +364,18 @@ class Journal:
             fresh, self._fresh = self._fresh, None
         return fresh if fresh is not None else set()
 
-    def add_listener(self, fn: Callable[[], None]) -> None:
-        """Call fn() (from the appending thread, after the write) whenever Allocate records
-        are appended."""
-        self._listeners.append(fn)
+    def arm(self, fn: Callable[[], None]) -> None:
+        """Call fn() once, from the appending thread after the write, at the next append of
+        Allocate records. The reconciler arms it at each pass: the Allocates after the first
+        would move nothing (its due time is set), and each then costs one attribute read
+        instead of a call."""
+        self._armed = fn
+
+    def _fire(self) -> None:
+        fn = self._armed
+        if fn is not None:  # two appenders may both call it: it is idempotent
+            self._armed = None
+            fn()
 
     def status(self) -> dict:
         with self._lock:
@@ -406,90 +417,111 @@ class Journal:
         the response given. Returns the records' IDs once they are written (synced too with
         a sync interval of 0, or while the disk fails); StateError if they could not be. This
         is the `journal` hook of agent.rm.manager.ResourceManager."""
-        now = self.clock()
         if len(containers) == 1:
-            rid = self._write_alone(now, containers[0][1])
-            if rid is not None:
-                return [rid]
+            devices, response = containers[0]
+            return self._record_one(resource, containers,
+                                    *self._shared(resource, devices, response))
+        return self._record_many(resource, containers, self.clock())
+
+    def recorder(self, resource: str, containers: Sequence[tuple[Sequence[Any], Any]]
+                 ) -> Callable[[], object]:
+        """What records one Allocate of `containers` each time it is called, returning what
+        `record_allocation` returns: made once per answer the manager keeps, so a repeat
+        goes straight to the write, its record's shared part found here once. The `prepare`
+        hook of agent.rm.manager.ResourceManager."""
+        if len(containers) == 1:
+            devices, response = containers[0]
+            return functools.partial(self._record_one, resource, containers,
+                                     *self._shared(resource, devices, response))
+        return functools.partial(self.record_allocation, resource, containers)
+
+    def _record_many(self, resource: str, containers: Sequence[tuple[Sequence[Any], Any]],
+                     now: float) -> list[str]:
         held, out = [], []
         for devices, response in containers:
             first, piece = self._shared(resource, devices, response)
-            rid = f"{self._id_prefix}{next(self._ids):x}"
+            rid = self._new_id()
             held.append((rid, (now, first)))
             out.append(self._pack_put(rid, now, piece, self._tail))
         self._add(held, out)
         return [rid for rid, _ in held]
 
-    def _write_alone(self, now: float, response: Any) -> str | None:
-        """The usual Allocate, in one function: one container, an answer packed before, no
-        other write under way or queued, the file open and working, syncs left to the
-        worker. Writes its entry, holds its record and returns its ID; None, having changed
-        nothing, when it is not that case (`record_allocation` then takes the general path,
-        which handles every other one). Inlined on purpose: on this path each Python call
-        costs the Allocate measurably (docs/state.md, "What an Allocate costs")."""
-        hit = self._answers.get(id(response))
-        if hit is None or hit[0] is not response:
-            return None
-        first, piece = hit[1]
+    def _record_one(self, resource: str, containers: Sequence[tuple[Sequence[Any], Any]],
+                    first: Record, piece: Any) -> list[str]:
+        """One container's Allocate, `first` and `piece` its answer's shared record and bytes
+        (`_shared`); returns [the record's ID]. The usual case in one function: no other write
+        under way or queued, the file open and working, syncs left to the worker. Writes
+        its entry, holds its record; any other case (or a failed write, which it cuts back)
+        goes to the general path, which handles them all. Inlined on purpose: on this path
+        each Python call costs the Allocate measurably (docs/state.md, "What an Allocate
+        costs")."""
+        now = self.clock()
+        rid = None
         lock = self._lock
         lock.acquire()
         try:
-            if self._writing or self._batch is not None or self._fd < 0 or self.blocked or \
-                    self.failing or self._cut_pending or not self.sync_interval:
-                return None
-            rid = f"{self._id_prefix}{next(self._ids):x}"
-            data = self._pack_put(rid, now, piece, self._tail)
-            fd = self._fd  # stays: compaction and close take the writer role to change it
-            self._writing = True
-            lock.release()
-            try:
-                written = os.write(fd, data)
-            except OSError:
-                written = -1
-            finally:
-                lock.acquire()
-                self._writing = False
-                if self._waiting:
-                    self._cond.notify_all()
-            if written != len(data):  # nothing or a part written: the general path says why
-                if written > 0:
-                    try:
-                        os.ftruncate(fd, self._size)
-                    except OSError:
-                        self._cut_pending = True
-                return None
-            self._records[rid] = (now, first)
-            if self._fresh is not None:
-                self._fresh.add(rid)
-            self._size += written
-            self._entries += 1
-            if self._since is not None:
-                self._since.append((data, 1))
-            self.version += 1
-            self.writes += 1
-            self.last_write = now
-            if self._entries >= COMPACT_MIN_ENTRIES and self._entries > 2 * len(self._records):
-                self._compact_wanted = True
-                self._wake_worker.set()
+            if not (self._writing or self._batch is not None or self._fd < 0 or self.blocked or
+                    self.failing or self._cut_pending or not self.sync_interval):
+                rid = self._new_id()
+                data = self._pack_put(rid, now, piece, self._tail)
+                fd = self._fd  # stays: compaction and close take the writer role to change it
+                self._writing = True
+                lock.release()
+                try:
+                    written = os.write(fd, data)
+                except OSError:
+                    written = -1
+                finally:
+                    lock.acquire()
+                    self._writing = False
+                    if self._waiting:
+                        self._cond.notify_all()
+                if written != len(data):  # nothing or a part written: the general path says why
+                    rid = None
+                    if written > 0:
+                        try:
+                            os.ftruncate(fd, self._size)
+                        except OSError:
+                            self._cut_pending = True
+                else:
+                    self._records[rid] = (now, first)
+                    if self._fresh is not None:
+                        self._fresh.add(rid)
+                    self._size += written
+                    self._entries += 1
+                    if self._since is not None:
+                        self._since.append((data, 1))
+                    self.version += 1
+                    self.writes += 1
+                    self.last_write = now
+                    if self._entries >= COMPACT_MIN_ENTRIES and \
+                            self._entries > 2 * len(self._records):
+                        self._compact_wanted = True
+                        self._wake_worker.set()
         finally:
             lock.release()
-        for fn in self._listeners:
+        if rid is None:
+            return self._record_many(resource, containers, now)
+        fn = self._armed  # `_fire`, inline
+        if fn is not None:
+            self._armed = None
             fn()
-        return rid
+        return [rid]
 
     def _shared(self, resource: str, devices: Sequence[Any], response: Any
-                ) -> tuple[Record, bytes]:
+                ) -> tuple[Record, Any]:
         """A record of an answer (its devices, GPUs and Response; ID and time to fill in) and
-        those packed, built once per answer the manager keeps (it hands the same objects for
-        the same request): the records of one answer share them, which keeps a journal of
-        10,000 records small and an Allocate's own packing to its ID and time."""
+        those packed (an entries module's Piece), built once per answer the manager keeps (it
+        hands the same objects for the same request): the records of one answer share them,
+        which keeps a journal of 10,000 records small and an Allocate's own packing to its ID
+        and time."""
         hit = self._answers.get(id(response))
         if hit is not None and hit[0] is response:
             return hit[1]
         first = Record(id="", resource=resource, devices=tuple(d.id for d in devices),
                        gpus=tuple(GpuRef(d.gpu_uuid, int(d.gpu_index)) for d in devices),
                        response=response_record(response), time=0.0, boot=self.boot)
-        shared = (first, frames.answer_piece(first))
+        shared = (first, self._piece(frames.answer_piece(first)))
         if len(self._answers) >= ANSWERS_KEPT:
             self._answers.clear()
         self._answers[id(response)] = (response, shared)
@@ -509,8 +541,7 @@ class Journal:
     def _add(self, held: list[tuple[str, Any]], out: list[bytes]) -> None:
         """Write `out`, then hold each (ID, record or compact form) of `held`."""
         self._submit(out, held)
-        for fn in self._listeners:
-            fn()
+        self._fire()
 
     def apply(self, outcome: Outcome) -> bool:
         """Apply a reconciliation of (a snapshot of) the records: drop what it dropped,
