@@ -4,9 +4,9 @@ AllocateResponse, measured interleaved in the same run, with the journal on the 
 Owns: the floor server (a subprocess: same grpcio, same worker count as the agent's plugin
 server, the agent's own response bytes for the same request), the interleaved 1-caller
 comparison (p50 and p99 ratios), the journal-growth run (10,000 Allocates that no pod claims:
-p50 of the first and last 250 calls, RSS after start and after the run), and 64 concurrent
-callers against both (throughput, p50, p99). Figures only; the tests assert behaviour, never
-time.
+p50 of the first and last 250 calls, RSS after start and after the run), each on several
+fresh process pairs and judged on their median, and 64 concurrent callers against both
+(throughput, p50, p99). Figures only; the tests assert behaviour, never time.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ BLOCKS, BLOCK = 20, 100 // SCALE  # 1 caller: 2,000 calls per server, in alterna
 GROWTH_CALLS = 10_000 // SCALE
 EDGE = 250 // SCALE  # the first and the last this many calls of the growth run
 CALLERS, PER_CALLER, ROUNDS = 64, 40 // SCALE, 2
+PAIRS = 1 if QUICK else 3  # fresh agent and floor processes, each for both runs above
 OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 _FLOOR = """
@@ -127,6 +128,59 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def _pair(work: str, with_many: bool) -> dict:
+    """One pair: a fresh agent and a floor answering its bytes, 1 caller in interleaved
+    blocks (then, `with_many`, 64 callers against both); then a fresh agent answering
+    GROWTH_CALLS Allocates that no pod claims, the same floor measured beside its first and
+    last calls; RSS of both agents."""
+    agent = floor = None
+    out: dict = {}
+    try:
+        agent = _Agent(work)
+        request = dp.AllocateRequest(container_requests=[
+            dp.ContainerAllocateRequest(devices_ids=agent.ids)])
+        channel, stub = _stub(agent.socket)
+        floor = _Floor(work, stub.Allocate(request, timeout=10).SerializeToString())
+        floor_channel, floor_stub = _stub(floor.socket)
+        for s in (stub, floor_stub):
+            allocate_timed(s, request, 100)
+        out["agent"], out["floor"] = [], []
+        for _ in range(BLOCKS):
+            out["agent"] += allocate_timed(stub, request, BLOCK)
+            out["floor"] += allocate_timed(floor_stub, request, BLOCK)
+        if with_many:
+            many = {"agent": ([], 0.0), "floor": ([], 0.0)}
+            for _ in range(ROUNDS):
+                for name, sock in (("agent", agent.socket), ("floor", floor.socket)):
+                    samples, wall = allocate_concurrently(sock, request, CALLERS, PER_CALLER)
+                    many[name] = (many[name][0] + samples, many[name][1] + wall)
+            out["many"] = many
+        out["rss_first"] = agent.rss_start
+        channel.close()
+        agent.stop()
+        agent = None
+
+        agent = _Agent(work)  # a fresh journal for the growth run
+        channel, stub = _stub(agent.socket)
+        allocate_timed(stub, request, 50)  # the channel and the agent's first calls (50 records)
+        # the floor beside the first and the last calls: the machine's speed then, to tell
+        # the journal's growth from the VM's swings
+        out["first"] = allocate_timed(stub, request, EDGE)
+        out["floor_first"] = allocate_timed(floor_stub, request, EDGE)
+        allocate_timed(stub, request, GROWTH_CALLS - 2 * EDGE)
+        out["floor_last"] = allocate_timed(floor_stub, request, EDGE)
+        out["last"] = allocate_timed(stub, request, EDGE)
+        time.sleep(0.5)
+        out["rss_start"], out["rss_after"] = agent.rss_start, rss_mb(agent.run.proc.pid)
+        channel.close()
+        floor_channel.close()
+        return out
+    finally:
+        for part in (agent, floor):
+            if part is not None:
+                part.stop()
+
+
 def run() -> Section:
     work = tempfile.mkdtemp(prefix="gabf", dir="/var/tmp")  # the machine's disk, not tmpfs
     fs = _filesystem(work)
@@ -143,73 +197,46 @@ def run() -> Section:
             "claims them, so "
             f"they all stay in its journal; p50 of the first and the last {EDGE} calls, and of "
             f"{EDGE} floor calls right after the first and right before the last; RSS "
-            "(VmRSS) 0.5 s after the first device list and after the run. 64 callers: "
-            f"{CALLERS} grpc.aio callers × {PER_CALLER} calls on one channel, {ROUNDS} rounds "
-            "per server, alternating."),
+            "(VmRSS) 0.5 s after the first device list and after the run. 64 callers (after "
+            f"the first 1-caller run): {CALLERS} grpc.aio callers × {PER_CALLER} calls on one "
+            f"channel, {ROUNDS} rounds per server, alternating. All of it is done {PAIRS} "
+            "times, each with a fresh floor and fresh agents; a ratio is judged on the median "
+            f"of the {PAIRS}, and RSS on the largest."),
         header=["measure", "median", "p99", "target", "met"],
     )
-    agent = floor = None
     try:
-        agent = _Agent(work)
-        request = dp.AllocateRequest(container_requests=[
-            dp.ContainerAllocateRequest(devices_ids=agent.ids)])
-        channel, stub = _stub(agent.socket)
-        floor = _Floor(work, stub.Allocate(request, timeout=10).SerializeToString())
-        floor_channel, floor_stub = _stub(floor.socket)
-        for s in (stub, floor_stub):
-            allocate_timed(s, request, 100)
-        one = {"agent": [], "floor": []}
-        for _ in range(BLOCKS):
-            one["agent"] += allocate_timed(stub, request, BLOCK)
-            one["floor"] += allocate_timed(floor_stub, request, BLOCK)
-        many = {"agent": ([], 0.0), "floor": ([], 0.0)}
-        for _ in range(ROUNDS):
-            for name, sock in (("agent", agent.socket), ("floor", floor.socket)):
-                samples, wall = allocate_concurrently(sock, request, CALLERS, PER_CALLER)
-                many[name] = (many[name][0] + samples, many[name][1] + wall)
-        channel.close()
-        agent.stop()
-        agent = None
-
-        agent = _Agent(work)  # a fresh journal for the growth run
-        channel, stub = _stub(agent.socket)
-        allocate_timed(stub, request, 50)  # the channel and the agent's first calls (50 more records)
-        # the floor beside the first and the last calls: the machine's speed then, to tell
-        # the journal's growth from the VM's swings
-        first = allocate_timed(stub, request, EDGE)
-        floor_first = allocate_timed(floor_stub, request, EDGE)
-        allocate_timed(stub, request, GROWTH_CALLS - 2 * EDGE)
-        floor_last = allocate_timed(floor_stub, request, EDGE)
-        last = allocate_timed(stub, request, EDGE)
-        time.sleep(0.5)
-        rss_after = rss_mb(agent.run.proc.pid)
-        rss_start = agent.rss_start
-        channel.close()
-        floor_channel.close()
+        pairs = [_pair(work, with_many=i == 0) for i in range(PAIRS)]
     finally:
-        for part in (agent, floor):
-            if part is not None:
-                part.stop()
         shutil.rmtree(work, ignore_errors=True)
+    many = pairs[0]["many"]
 
     def row(name, samples, target="", met=None):
         section.rows.append([name, _ms(statistics.median(samples)), _ms(percentile(samples, 99)),
                              target, "" if met is None else ("yes" if met else "**no**")])
 
-    a, f = one["agent"], one["floor"]
-    row("Allocate, 1 caller, bare grpcio floor", f)
-    row("Allocate, 1 caller, gpu-agent", a)
-    p50 = statistics.median(a) / statistics.median(f)
-    p99 = percentile(a, 99) / percentile(f, 99)
-    section.rows.append(["**agent / floor**", f"{p50:.2f}×", f"{p99:.2f}×",
+    p50s, p99s = [], []
+    for i, one in enumerate(pairs, 1):
+        a, f = one["agent"], one["floor"]
+        p50s.append(statistics.median(a) / statistics.median(f))
+        p99s.append(percentile(a, 99) / percentile(f, 99))
+        row(f"Allocate, 1 caller, bare grpcio floor (pair {i})", f)
+        row(f"Allocate, 1 caller, gpu-agent (pair {i}: {p50s[-1]:.2f}× p50, "
+            f"{p99s[-1]:.2f}× p99)", a)
+    p50, p99 = statistics.median(p50s), statistics.median(p99s)
+    section.rows.append([f"**agent / floor** (median of {PAIRS})", f"{p50:.2f}×", f"{p99:.2f}×",
                          "p50 ≤ 1.1×, p99 ≤ 1.2×",
                          "yes" if p50 <= 1.1 and p99 <= 1.2 else "**no**"])
-    grow = statistics.median(last) / statistics.median(first)
-    speed = statistics.median(floor_last) / statistics.median(floor_first)
-    row(f"Allocate, first {EDGE} of {GROWTH_CALLS:,} unclaimed", first)
-    row(f"Allocate, last {EDGE} of {GROWTH_CALLS:,} unclaimed", last,
-        f"p50 ≤ 1.1× the first ({grow:.2f}×; the floor beside them: {speed:.2f}×)",
-        grow <= 1.1)
+    grow_ratios = []
+    for i, g in enumerate(pairs, 1):
+        grow = statistics.median(g["last"]) / statistics.median(g["first"])
+        speed = statistics.median(g["floor_last"]) / statistics.median(g["floor_first"])
+        grow_ratios.append(grow)
+        row(f"Allocate, first {EDGE} of {GROWTH_CALLS:,} unclaimed (pair {i})", g["first"])
+        row(f"Allocate, last {EDGE} of {GROWTH_CALLS:,} unclaimed (pair {i}: {grow:.2f}× the "
+            f"first; the floor beside them: {speed:.2f}×)", g["last"])
+    grow = statistics.median(grow_ratios)
+    section.rows.append([f"**last {EDGE} / first {EDGE}** (median of {PAIRS})", f"{grow:.2f}×",
+                         "", "p50 ≤ 1.1×", "yes" if grow <= 1.1 else "**no**"])
     for name in ("floor", "agent"):
         samples, wall = many[name]
         rate = len(samples) / wall
@@ -217,18 +244,32 @@ def run() -> Section:
                              _ms(statistics.median(samples)), _ms(percentile(samples, 99)),
                              "≥ 2,000 Allocate/s" if name == "agent" else "",
                              ("yes" if rate >= 2000 else "**no**") if name == "agent" else ""])
-    section.rows.append(["RSS after start", f"{rss_start:.1f} MB", "", "≤ 45 MB",
+    starts = [p[k] for p in pairs for k in ("rss_first", "rss_start")]
+    rss_start = max(starts)
+    growth = max(g["rss_after"] - g["rss_start"] for g in pairs)
+    section.rows.append(["RSS after start (largest of "
+                         f"{len(starts)}: {', '.join(f'{x:.1f}' for x in starts)})",
+                         f"{rss_start:.1f} MB", "", "≤ 45 MB",
                          "yes" if rss_start <= 45 else "**no**"])
-    section.rows.append([f"RSS after {GROWTH_CALLS:,} Allocates", f"{rss_after:.1f} MB",
-                         f"+{rss_after - rss_start:.1f} MB", "≤ start + 3 MB",
-                         "yes" if rss_after - rss_start <= 3 else "**no**"])
+    section.rows.append([f"RSS after {GROWTH_CALLS:,} Allocates (largest growth of {PAIRS}: "
+                         + ", ".join(f"{g['rss_start']:.1f} → {g['rss_after']:.1f}"
+                                     for g in pairs) + ")",
+                         f"+{growth:.1f} MB", "", "≤ start + 3 MB",
+                         "yes" if growth <= 3 else "**no**"])
     section.notes += [
         "The agent's Allocate: resolve the IDs, the answer cached per requested device list, "
-        "one journal entry assembled from pieces packed once per answer and appended with one "
-        "write (no fsync: the journal syncs every second in the background, docs/state.md), "
-        "the cached response message, and the log line handed to the log-writer thread.",
+        "one journal entry assembled from pieces packed once per answer (its checksum joined "
+        "from theirs) and appended with one write (no fsync: the journal syncs every second "
+        "in the background, docs/state.md), the cached response message, and the log line "
+        "handed to the log-writer thread.",
         "The floor does nothing but return its message, so the gap is everything above; "
         "client and servers share the machine's two CPUs.",
+        "Why several pairs: on this 2-CPU VM a pair of processes keeps an offset of its own for "
+        "its whole life (where the scheduler puts its threads against the client's), about "
+        "±0.04× on the p50 ratio from one pair to the next, while blocks interleaved within "
+        "a pair agree closely; the growth ratio, its two ends seconds apart, swings more. One "
+        "pair would judge that draw; the median of several judges the agent. Each pair's "
+        "figures are in the table.",
     ]
     if QUICK:
         section.notes.append("BENCH_QUICK=1: a tenth of the calls (a smoke run, not figures).")
