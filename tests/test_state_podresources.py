@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -210,12 +211,12 @@ class _Listing(pr_grpc.PodResourcesListerServicer):
 def _attributed(j: Journal, rid: str, timeout: float = 30.0):
     """The pod record `rid` is attributed to, once a pass has attributed it (None if no pass
     did within `timeout`: the period is a minute, so only an Allocate asks for one sooner)."""
-    done = threading.Event()
-    while not done.wait(0.02) and timeout > 0:
-        timeout -= 0.02
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         pod = next(r.pod for r in j.records() if r.id == rid)
         if pod is not None:
             return pod
+        time.sleep(0.02)  # polled: a pass has no event of its own to wait on
     return None
 
 
