@@ -347,11 +347,14 @@ def test_crio_with_and_without_the_nvidia_runtime(tmp_root):
 
 @pytest.mark.parametrize("node_kind", driver_tree.NODE_KINDS)
 def test_dev_char_links_present(tmp_root, node_kind):
+    if node_kind == "char" and os.geteuid() != 0:
+        pytest.skip("real character devices (the end-to-end tree) need root to mknod")
     tree = build(tmp_root, "dgx1-v100", node_kind=node_kind)
     ctx = ctx_for(tree.root)
     nodes = devnodes.list_nodes(ctx)
     assert {(n.name, n.major, n.minor) for n in nodes} == set(tree.nodes)
-    assert all(n.recorded for n in nodes)
+    # real character devices give their own numbers; the others' come from the record
+    assert all(n.recorded == (node_kind != "char") for n in nodes)
     assert devnodes.check_nodes(ctx).status == OK
     found = devnodes.check_dev_char(ctx)
     assert (found.status, found.found) == (OK, "all 13 NVIDIA device nodes have their "

@@ -4,9 +4,12 @@ tests, its benchmark and the demo (`doctor --root DIR`).
 
 Owns: `build(root, ...)` and the `gpu-agent sim driver-tree DIR` command. The tree holds:
 - device nodes /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools, /dev/nvidia<minor> per
-  GPU of the profile (MIG-enabled ones too) and /dev/nvidia-caps/nvidia-cap1, -cap2 (the MIG
-  config and monitor capabilities) as empty regular files or FIFOs, never real device nodes: a
-  character device 195:0 made as root would open the host's real GPU. Their major:minor
+  GPU of the profile (MIG-enabled ones too), /dev/nvidia-caps/nvidia-cap1, -cap2 (the MIG
+  config and monitor capabilities) and the GPU- and compute-instance capabilities of the
+  profile's MIG devices, as empty regular files or FIFOs by default. Real character devices
+  (`char`, root only) are for the end-to-end cluster (tests/e2e), whose containers must get
+  device nodes: on a host without NVIDIA's driver they open nothing, but on a GPU host a
+  character device 195:0 opens the real GPU 0, so they are never the default. Their major:minor
   numbers (the driver's: 195 for the GPUs and nvidiactl; nvidia-uvm and nvidia-caps take
   dynamic majors, here 508 and 509) are recorded in agent.doctor.devnodes.SIM_NODES_FILE,
   which the doctor reads for entries that are not character devices;
@@ -20,7 +23,12 @@ Owns: `build(root, ...)` and the `gpu-agent sim driver-tree DIR` command. The tr
 - /etc/cdi/nvidia.yaml: the CDI spec `nvidia-ctk cdi generate` would write (index and UUID
   names per GPU and per MIG device of a MIG-enabled GPU, and `all`);
 - /usr/bin/nvidia-ctk and /usr/bin/nvidia-container-runtime: scripts that answer --version
-  only; optionally /usr/bin/systemctl answering `is-active` with a given state.
+  only; optionally /usr/bin/systemctl answering `is-active` with a given state;
+- optionally the driver's libraries in /usr/lib/x86_64-linux-gnu, named for the profile's
+  driver version as the driver installs them: libnvidia-ml.so.<version> is a copy of the
+  simulated NVML, libcuda.so.<version> an empty placeholder, each with its .so.1 link. That is
+  what NVIDIA's own `nvidia-ctk cdi generate --driver-root DIR` needs to write its spec for the
+  simulated node, and what `--driver-root DIR` lets the agent find NVML by.
 Must not create anything outside `root`.
 """
 
@@ -29,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import stat
 from dataclasses import dataclass, field
 
 from agent.errors import SimError
@@ -40,7 +50,8 @@ CAPS_MAJOR = 509
 TOOLKIT_VERSION = "1.17.8"
 CONTAINERD_PLUGIN = {2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
 RUNTIME_BINARY = "/usr/bin/nvidia-container-runtime"
-NODE_KINDS = ("file", "fifo")
+LIBRARY_DIR = "/usr/lib/x86_64-linux-gnu"  # where Debian and Ubuntu drivers put them
+NODE_KINDS = ("file", "fifo", "char")
 
 
 @dataclass
@@ -125,7 +136,7 @@ def _cdi_spec(gpus: list[dict]) -> str:
         mig = gpu.get("mig", {})
         for k, inst in enumerate(mig.get("instances", []) if mig.get("mode") == "enabled"
                                  else []):
-            base = 3 + gpu["minor"] * 135 + inst["gi"] * 9  # mig_minors_text's numbering
+            base = _cap_base(int(gpu["minor"]), int(inst["gi"]))
             edits = {"deviceNodes": [{"path": f"/dev/nvidia{gpu['minor']}"},
                                      {"path": f"/dev/nvidia-caps/nvidia-cap{base}"},
                                      {"path": f"/dev/nvidia-caps/nvidia-cap{base + 1 + inst['ci']}"}]}
@@ -141,12 +152,30 @@ def _cdi_spec(gpus: list[dict]) -> str:
         yaml.safe_dump(spec, sort_keys=False)
 
 
+def _cap_base(gpu_minor: int, gi: int) -> int:
+    """The capability minor of GPU instance `gi` of GPU `gpu_minor` (its compute instances
+    follow it), as the driver numbers them in mig-minors."""
+    return 3 + gpu_minor * 135 + gi * 9
+
+
+def _mig_cap_minors(gpus: list[dict]) -> list[int]:
+    """The capability minors of the MIG devices of the profile's MIG-enabled GPUs: the access
+    nodes of each GPU instance and compute instance (one per instance, in order)."""
+    minors: dict[int, None] = {}
+    for gpu in gpus:
+        mig = gpu.get("mig", {})
+        for inst in mig.get("instances", []) if mig.get("mode") == "enabled" else []:
+            base = _cap_base(int(gpu["minor"]), int(inst["gi"]))
+            minors.update({base: None, base + 1 + int(inst["ci"]): None})
+    return list(minors)
+
+
 def mig_minors_text(gpus: int) -> str:
     """/proc/driver/nvidia-caps/mig-minors of a driver with `gpus` GPU minors."""
     lines = ["config 1", "monitor 2"]
     for gpu in range(gpus):
         for gi in range(15):
-            base = 3 + gpu * 135 + gi * 9
+            base = _cap_base(gpu, gi)
             lines.append(f"gpu{gpu}/gi{gi}/access {base}")
             lines += [f"gpu{gpu}/gi{gi}/ci{ci}/access {base + 1 + ci}" for ci in range(8)]
     return "\n".join(lines) + "\n"
@@ -155,8 +184,8 @@ def mig_minors_text(gpus: int) -> str:
 def build(root: str, profile: str | None = None, *, node_kind: str = "file",
           dev_char: bool = True, containerd: int | None = 2, nvidia_runtime: bool = True,
           default_runtime: bool = True, enable_cdi: bool | None = True, crio: bool = False,
-          toolkit: bool = True, cdi_spec: bool = True, systemctl: str | None = None
-          ) -> DriverTree:
+          toolkit: bool = True, cdi_spec: bool = True, systemctl: str | None = None,
+          driver_libraries: bool = False) -> DriverTree:
     """Build the tree for the GPUs of `profile` (a shipped name or a path; default
     $GPU_AGENT_SIM_PROFILE, else dgx1-v100) under `root` (created if missing)."""
     from agent.doctor.devnodes import SIM_NODES_FILE
@@ -164,13 +193,16 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
 
     if node_kind not in NODE_KINDS:
         raise SimError(f"node kind {node_kind!r}: expected one of {', '.join(NODE_KINDS)}")
-    gpus = load_profile(profile)["gpus"]
+    loaded = load_profile(profile)
+    gpus = loaded["gpus"]
     tree = DriverTree(os.path.abspath(root))
     nodes = [("/dev/nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR),
              ("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)]
     nodes += [(f"/dev/nvidia{g['minor']}", NVIDIA_MAJOR, int(g["minor"])) for g in gpus]
     nodes += [("/dev/nvidia-caps/nvidia-cap1", CAPS_MAJOR, 1),
               ("/dev/nvidia-caps/nvidia-cap2", CAPS_MAJOR, 2)]
+    nodes += [(f"/dev/nvidia-caps/nvidia-cap{minor}", CAPS_MAJOR, minor)
+              for minor in _mig_cap_minors(gpus)]
     for host_path, major, minor in nodes:
         path = tree.path(host_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -178,6 +210,8 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
             os.unlink(path)
         if node_kind == "fifo":
             os.mkfifo(path, 0o666)
+        elif node_kind == "char":
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
         else:
             with open(path, "w"):
                 pass
@@ -211,7 +245,26 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
                 _version_stub("nvidia-container-runtime", "NVIDIA Container Runtime"))
     if systemctl is not None:
         _script(tree.path("/usr/bin/systemctl"), _systemctl_stub(systemctl))
+    if driver_libraries:
+        _driver_libraries(tree, loaded["driver_version"])
     return tree
+
+
+def _driver_libraries(tree: DriverTree, version: str) -> None:
+    from agent.sim import lib_path
+
+    libdir = tree.path(LIBRARY_DIR)
+    os.makedirs(libdir, exist_ok=True)
+    for name in ("libnvidia-ml.so", "libcuda.so"):
+        real = os.path.join(libdir, f"{name}.{version}")
+        if name == "libnvidia-ml.so":
+            shutil.copyfile(lib_path(), real)
+        else:
+            _write(real, "")
+        link = os.path.join(libdir, f"{name}.1")
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(os.path.basename(real), link)
 
 
 def _write(path: str, text: str) -> None:
@@ -226,7 +279,8 @@ def _cmd_driver_tree(args: argparse.Namespace) -> int:
                  dev_char=not args.no_dev_char,
                  containerd=None if args.containerd == "none" else int(args.containerd),
                  nvidia_runtime=not args.no_nvidia_runtime, enable_cdi=cdi, crio=args.crio,
-                 toolkit=not args.no_toolkit, systemctl=args.systemctl)
+                 toolkit=not args.no_toolkit, systemctl=args.systemctl,
+                 driver_libraries=args.driver_libraries)
     print(f"simulated driver tree in {tree.root}: {len(tree.nodes)} device nodes; check it "
           f"with: gpu-agent doctor --root {tree.root} --cdi-spec-dirs {tree.path('/etc/cdi')}")
     return 0
@@ -243,7 +297,8 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
                    help="node profile giving the GPUs (default $GPU_AGENT_SIM_PROFILE or "
                         "dgx1-v100)")
     p.add_argument("--node-kind", choices=NODE_KINDS, default="file",
-                   help="device nodes as empty files or FIFOs (default file)")
+                   help="device nodes as empty files, FIFOs or (root only; never on a GPU "
+                        "host) real character devices (default file)")
     p.add_argument("--no-dev-char", action="store_true", help="make no /dev/char links")
     p.add_argument("--containerd", choices=("2", "3", "none"), default="2",
                    help="containerd config.toml version, or none (default 2)")
@@ -255,6 +310,9 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
                                                        "runtime")
     p.add_argument("--no-toolkit", action="store_true",
                    help="no nvidia-ctk / nvidia-container-runtime stubs")
+    p.add_argument("--driver-libraries", action="store_true",
+                   help="add the driver's libnvidia-ml (the simulated one) and libcuda "
+                        "(a placeholder) for the profile's driver version")
     p.add_argument("--systemctl", metavar="STATE", default=None,
                    help="add a systemctl stub whose `is-active` prints STATE")
     p.set_defaults(func=_cmd_driver_tree)

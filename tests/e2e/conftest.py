@@ -1,0 +1,294 @@
+"""Fixtures of the end-to-end tests: one real cluster per run (tests/e2e/cluster.py), and per
+test a `node` that starts gpu-agent on it, creates pods through the API server, reads what
+their containers see (crictl exec) and cleans up after the test.
+
+`make e2e` runs this directory once per pinned Kubernetes version (`--k8s VERSION`, or
+$E2E_K8S; default the newest). Figures the cases measure (XID to allocatable, kubelet restart
+to allocatable) go to .e2e/results/<version>.json for docs/e2e.md. Every wait follows the API's
+watch streams or a process's state, bounded; none is a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.e2e import images
+from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, versions
+from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
+
+GPU = "nvidia.com/gpu"
+NS = "default"
+RESULTS = ROOT / ".e2e" / "results"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--k8s", default=os.environ.get("E2E_K8S") or None,
+                     help="the Kubernetes version of the end-to-end cluster (default: the "
+                          "newest under tests/e2e/components)")
+
+
+@pytest.fixture(scope="session")
+def k8s_version(request) -> str:
+    version = request.config.getoption("--k8s") or versions()[0]
+    if version not in versions():
+        raise pytest.UsageError(f"--k8s {version}: pinned versions are {', '.join(versions())}")
+    return version
+
+
+@pytest.fixture(scope="session")
+def results(k8s_version):
+    """Figures measured by the cases, written to .e2e/results/<version>.json at the end."""
+    found: dict[str, object] = {}
+    yield found
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{k8s_version}.json").write_text(json.dumps(
+        {"kubernetes": k8s_version, "date": time.strftime("%Y-%m-%d %H:%M"), **found},
+        indent=1, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="session")
+def cluster(k8s_version):
+    if os.geteuid() != 0:
+        pytest.fail("the end-to-end cluster needs root (kubelet, containerd, mknod)")
+    c = Cluster(k8s_version, keep=os.environ.get("E2E_KEEP") == "1")
+    c.start()
+    yield c
+    c.stop()
+
+
+@dataclass
+class Seen:
+    """What a container sees of its GPUs, read from inside it."""
+
+    nodes: set[str]  # /dev/nvidia<N> (GPU nodes only)
+    env: dict[str, str]  # NVIDIA_* and CUDA_* variables
+    mounts: set[str] = field(default_factory=set)  # /var/run/nvidia-container-devices entries
+    caps: set[str] = field(default_factory=set)  # /dev/nvidia-caps entries
+    raw: str = ""
+
+
+PROBE = ("for f in /dev/nvidia*; do echo node ${f#/dev/}; done; "
+         "for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo cap ${f#/dev/nvidia-caps/}; done; "
+         "for f in /var/run/nvidia-container-devices/*; do [ -e \"$f\" ] && "
+         "echo mount ${f#/var/run/nvidia-container-devices/}; done; "
+         "env | grep -E '^(NVIDIA|CUDA)_' | sed 's/^/env /'; true")
+
+
+class E2ENode:
+    """The cluster's one node, as a test uses it."""
+
+    def __init__(self, cluster: Cluster, results: dict):
+        self.cluster = cluster
+        self.api = cluster.api
+        self.results = results
+        self.agents: list[Agent] = []
+        self.pods: list[str] = []
+
+    # -- the agent -----------------------------------------------------------------------
+
+    def agent(self, profile: str = "dgx1-v100", *args: str, config: str | None = None,
+              name: str = "gpu-agent", env: dict | None = None) -> Agent:
+        agent = self.cluster.start_agent(profile, *args, name=name, config=config, env=env)
+        self.agents.append(agent)
+        return agent
+
+    def config(self, text: str, name: str = "config.yaml") -> str:
+        return self.cluster.write(name, text)
+
+    # -- the node object -------------------------------------------------------------------
+
+    def node(self) -> dict:
+        return self.api.get(f"/api/v1/nodes/{NODE}")
+
+    def allocatable(self, resource: str = GPU) -> int:
+        return int(self.node()["status"].get("allocatable", {}).get(resource, "0"))
+
+    def wait_node(self, predicate, what: str, timeout: float = 60) -> dict:
+        try:
+            return self.api.wait_for(f"/api/v1/nodes/{NODE}",
+                                     lambda n: n if predicate(n["status"]) else None, what,
+                                     timeout)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
+    def wait_allocatable(self, count: int, resource: str = GPU, capacity: int | None = None,
+                         timeout: float = 60) -> float:
+        """Until kubelet's device manager has `count` healthy devices of `resource` (what it
+        admits pods by: podresources GetAllocatableResources) and the Node object shows that
+        allocatable (and `capacity`), which the scheduler goes by and which kubelet updates
+        every nodeStatusUpdateFrequency (10 s); returns the seconds the Node object took."""
+        start = time.monotonic()
+        deadline = start + timeout
+        while len(self.allocatable_ids(resource)) != count:
+            dead = [a for a in self.agents if not a.proc.alive()]
+            if time.monotonic() > deadline or (dead and count):
+                raise AssertionError(f"kubelet's device manager never had {count} healthy "
+                                     f"{resource}: {sorted(self.allocatable_ids(resource))}\n"
+                                     f"{self.logs()}")
+            time.sleep(0.02)
+
+        def shows(status):
+            ok = int(status.get("allocatable", {}).get(resource, "0")) == count
+            if capacity is not None:
+                ok = ok and int(status.get("capacity", {}).get(resource, "0")) == capacity
+            return ok
+        self.wait_node(shows, f"{resource} allocatable {count}"
+                       + (f", capacity {capacity}" if capacity is not None else ""),
+                       max(1.0, deadline - time.monotonic()))
+        return time.monotonic() - start
+
+    # -- pods ------------------------------------------------------------------------------
+
+    def create_pod(self, name: str, resources: dict[str, int] | None = None,
+                   command: str = "sleep 3600", annotations: dict[str, str] | None = None
+                   ) -> str:
+        self.api.create(f"/api/v1/namespaces/{NS}/pods",
+                        gpu_pod(name, NODE, resources, images.BUSYBOX, command, annotations))
+        self.pods.append(name)
+        return name
+
+    def pod(self, name: str) -> dict:
+        return self.api.get(f"/api/v1/namespaces/{NS}/pods/{name}")
+
+    def wait_pod(self, name: str, predicate, what: str, timeout: float = 90) -> dict:
+        try:
+            return self.api.wait_for(f"/api/v1/namespaces/{NS}/pods/{name}",
+                                     lambda p: p if predicate(p) else None, f"pod {name} {what}",
+                                     timeout)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
+    def wait_running(self, name: str, timeout: float = 90) -> dict:
+        """Until the pod runs; fails at once when it failed (with kubelet's reason)."""
+        def running(pod):
+            if pod_phase(pod) == "Failed":
+                raise AssertionError(f"pod {name} failed: {pod_reason(pod)}\n{self.logs()}")
+            return pod_phase(pod) == "Running" and all(
+                cs.get("ready") for cs in pod["status"].get("containerStatuses", [{}]))
+        return self.wait_pod(name, running, "Running", timeout)
+
+    def wait_unschedulable(self, name: str, timeout: float = 60) -> dict:
+        """Until the scheduler says the pod does not fit (PodScheduled False, Unschedulable)."""
+        return self.wait_pod(name, lambda p: any(
+            c["type"] == "PodScheduled" and c["status"] == "False"
+            and c.get("reason") == "Unschedulable" for c in p["status"].get("conditions", [])),
+            "Unschedulable", timeout)
+
+    def delete_pods(self, *names: str, wait: bool = True) -> None:
+        for name in names or list(self.pods):
+            self.api.delete(f"/api/v1/namespaces/{NS}/pods/{name}", grace_seconds=0)
+        if wait:
+            for name in names or list(self.pods):
+                self.api.wait_gone(f"/api/v1/namespaces/{NS}/pods/{name}", timeout=90)
+        self.pods = [p for p in self.pods if names and p not in names]
+
+    def assigned(self, pod: str, resource: str = GPU) -> list[str]:
+        """The device IDs kubelet assigned to the pod's container, from kubelet's own
+        podresources API (the truth the container should match)."""
+        from agent.kubelet.podresources import PodResourcesClient
+
+        client = PodResourcesClient(self.cluster.podresources_socket)
+        try:
+            return [i for d in client.list() if d.namespace == NS and d.name == pod
+                    and d.resource == resource for i in d.device_ids]
+        finally:
+            client.close()
+
+    def allocatable_ids(self, resource: str = GPU) -> set[str]:
+        """The device IDs kubelet's device manager can allocate now (podresources
+        GetAllocatableResources: healthy devices, as admission sees them)."""
+        from agent.kubelet.podresources import PodResourcesClient
+
+        client = PodResourcesClient(self.cluster.podresources_socket)
+        try:
+            return set(client.allocatable().get(resource, ()))
+        finally:
+            client.close()
+
+    def container_id(self, pod: str) -> str:
+        """The running container of the pod (by its UID: a deleted pod of the same name may
+        still have a container being killed)."""
+        uid = self.pod(pod)["metadata"]["uid"]
+        out = self.cluster.crictl("ps", "-q", "--label",
+                                  f"io.kubernetes.pod.uid={uid}").stdout.split()
+        if len(out) != 1:
+            raise AssertionError(f"pod {pod}: expected one running container, crictl found {out}")
+        return out[0]
+
+    def exec(self, pod: str, command: str) -> str:
+        out = self.cluster.crictl("exec", self.container_id(pod), "/bin/sh", "-c", command)
+        return out.stdout
+
+    def seen(self, pod: str) -> Seen:
+        """What the pod's container sees of NVIDIA's devices, read inside it."""
+        text = self.exec(pod, PROBE)
+        seen = Seen(set(), {}, raw=text)
+        for line in text.splitlines():
+            kind, _, value = line.partition(" ")
+            if kind == "node" and re.fullmatch(r"nvidia\d+", value):
+                seen.nodes.add(value)
+            elif kind == "cap":
+                seen.caps.add(value)
+            elif kind == "mount":
+                seen.mounts.add(value)
+            elif kind == "env":
+                key, _, val = value.partition("=")
+                seen.env[key] = val
+        return seen
+
+    def logs(self, lines: int = 30) -> str:
+        """The tails of the agent's and kubelet's logs, for a failure's message."""
+        parts = []
+        for agent in self.agents[-2:]:
+            parts.append(f"--- {agent.name} log:\n{agent.proc.tail(lines)}")
+        kubelet = self.cluster.procs.get("kubelet")
+        if kubelet is not None:
+            parts.append(f"--- kubelet log:\n{kubelet.tail(lines)}")
+        return "\n".join(parts)
+
+    def cleanup(self) -> None:
+        try:
+            self.delete_pods()
+        except (ApiError, TimeoutError, OSError) as exc:
+            print(f"cleanup: pods not deleted: {exc}")
+        for agent in self.agents:
+            if agent.proc.alive():
+                agent.proc.stop(signal.SIGTERM)
+        if not self.cluster.procs.get("kubelet") or not self.cluster.procs["kubelet"].alive():
+            self.cluster.start_kubelet()
+            self.cluster.wait_node_ready()
+
+
+@pytest.fixture
+def node(cluster, results):
+    n = E2ENode(cluster, results)
+    yield n
+    n.cleanup()
+
+
+def profile_gpus(profile: str = "dgx1-v100") -> list[dict]:
+    """The simulated node's GPUs (index, uuid, minor, mig, ...), as its profile defines them."""
+    from agent.sim import PROFILES_DIR
+    from agent.sim.profile import load_profile
+
+    return load_profile(str(PROFILES_DIR / f"{profile}.yaml"))["gpus"]
+
+
+def minors(uuids, profile: str = "dgx1-v100") -> set[str]:
+    """The /dev/nvidia<minor> names of the GPUs with these UUIDs."""
+    by_uuid = {g["uuid"]: g for g in profile_gpus(profile)}
+    return {f"nvidia{by_uuid[u]['minor']}" for u in uuids}
+
+
+def write_result(results: dict, key: str, value) -> None:
+    results[key] = value
+    print(f"measured {key}: {value}")
+
+
