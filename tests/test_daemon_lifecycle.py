@@ -1,5 +1,6 @@
 """The daemon's lifecycle, `gpu-agent run` as a real subprocess: kubelet restarts (20 in a
-row), our socket removed, kubelet starting after the agent, SIGHUP with a changed and with a
+row), our socket removed, kubelet dropping the agent when a plugin it replaced stops, kubelet
+starting after the agent, SIGHUP with a changed and with a
 broken config, NVML init failure with failOnInitError true and false (and recovery), every
 kind of bad config value refused by `run` naming its key, and the systemd notify protocol.
 """
@@ -8,12 +9,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
+from agent.sim import PROFILES_DIR
 from agent.sim.profile import load_profile
 from agent.status import read_status
-from tests.daemon_harness import GPU, Node, NotifySocket
+from tests.conftest import ROOT
+from tests.daemon_harness import GPU, WAIT, Node, NotifySocket
 
 INDEX = {g["uuid"]: g["index"] for g in load_profile("dgx1-v100")["gpus"]}
 
@@ -58,6 +63,33 @@ def test_our_socket_removed_restarts_the_server_and_re_registers(node):
     assert res.connected and os.path.exists(node.plugin_socket)
     assert "our socket gpu-agent-gpu.sock was removed" in agent.log
     assert len(admit_response(node, "p")[0]) == 1
+
+
+def test_dropped_by_kubelet_when_a_plugin_it_replaced_stops_the_agent_registers_again(node):
+    # Switching from NVIDIA's plugin on kubelet <= 1.36 (seen on the real 1.34 in
+    # tests/e2e/test_migration.py): the agent's registration replaces the old plugin's; when
+    # the old one stops, kubelet disconnects the agent's stream without restarting. The agent
+    # must register again, or the node keeps 0 allocatable GPUs until kubelet restarts.
+    env = node.env()
+    old = subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
+         node.kubelet_socket, "--profile", str(PROFILES_DIR / "dgx1-v100.yaml"),
+         "--dev-root", node.root], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout.readline().startswith("registered nvidia.com/gpu")
+        agent = node.agent()
+        agent.wait_registered(2)
+        old.send_signal(signal.SIGTERM)
+        assert old.wait(WAIT) == 0
+        res = agent.wait_registered(3)
+        assert res.connected and len(res.healthy_ids) == 8
+        assert "kubelet ended our ListAndWatch stream without restarting; registering " \
+               "again" in agent.log
+        assert len(admit_response(node, "after-the-switch", 2)[0]) == 2
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
 
 
 def test_kubelet_starting_after_the_agent_gets_a_registration():

@@ -342,7 +342,10 @@ def test_extended_resource_name_rules(name, valid):
     assert (extended_resource_problem(name) is None) == valid
 
 
-def test_second_registration_replaces_the_first_and_closes_its_stream(kubelet, plugin, kdir):
+def test_a_second_registration_answers_allocate_and_the_first_stream_runs_on(kubelet, plugin,
+                                                                            kdir):
+    # kubelet 1.34 and 1.37 alike (tests/e2e/test_migration.py): the replaced registration's
+    # stream stays open and its device lists still count; Allocate goes to the newest
     registered(kubelet, plugin)
     second = WidgetPlugin(kdir, endpoint="widget-2.sock", preferred=False).start()
     try:
@@ -352,13 +355,61 @@ def test_second_registration_replaces_the_first_and_closes_its_stream(kubelet, p
         widget = state.resource(RESOURCE)
         assert widget.connected and widget.endpoint == "widget-2.sock"
         assert not widget.get_preferred_allocation_available
-        with plugin._cond:
-            assert plugin._cond.wait_for(lambda: plugin.streams_open == 0, WAIT)
-        # Allocation now goes to the plugin that registered last.
+        assert plugin.streams_open == 1 and second.streams_open == 1
+        plugin.set_health("w0", UNHEALTHY)  # the first plugin's list still counts
+        kubelet.wait_for(lambda s: s.resource(RESOURCE).allocatable == 3, WAIT)
         kubelet.admit_pod("p", {"main": {RESOURCE: 1}})
         assert (len(second.allocate_requests), len(plugin.allocate_requests)) == (1, 0)
     finally:
         second.stop()
+
+
+def test_up_to_1_36_the_replaced_streams_end_disconnects_the_newer_registration(kubelet,
+                                                                                plugin, kdir):
+    # kubelet <= 1.36, plugin/v1beta1/handler.go runClient: the client found by resource name
+    # is the newer one, and it is disconnected; seen on kubelet 1.34 in tests/e2e
+    registered(kubelet, plugin)
+    second = WidgetPlugin(kdir, endpoint="widget-2.sock").start()
+    try:
+        second.register()
+        seq = kubelet.wait_for(lambda s: s.resource(RESOURCE).registrations == 2, WAIT) \
+            .last_event_seq
+        plugin.stop()
+        ended = kubelet.wait_for_event(lambda e: e.kind == e.STREAM_ENDED
+                                       and "disconnect the registration that replaced it (2)"
+                                       in e.message, after_seq=seq, timeout=WAIT)
+        assert "unhealthy" in ended.message
+        widget = kubelet.state().resource(RESOURCE)
+        assert not widget.connected and widget.allocatable == 0
+        with second._cond:
+            assert second._cond.wait_for(lambda: second.streams_open == 0, WAIT)
+        registered(kubelet, second)  # the newer plugin must register again
+    finally:
+        second.stop()
+
+
+def test_from_1_37_the_replaced_streams_end_leaves_the_newer_registration(kdir):
+    with SimKubelet(kdir, kubelet_version="1.37"), SimKubeletClient(kdir) as client:
+        first = WidgetPlugin(kdir).start()
+        second = WidgetPlugin(kdir, endpoint="widget-2.sock").start()
+        try:
+            registered(client, first)
+            with pytest.raises(grpc.RpcError, match="device plugin already connected"):
+                first.register()  # one endpoint per socket path
+            second.register()
+            seq = client.wait_for(lambda s: s.resource(RESOURCE).registrations == 2, WAIT) \
+                .last_event_seq
+            first.stop()
+            client.wait_for_event(lambda e: e.kind == e.STREAM_ENDED, after_seq=seq,
+                                  timeout=WAIT)
+            widget = client.state().resource(RESOURCE)
+            assert widget.connected and widget.endpoint == "widget-2.sock"
+            assert widget.allocatable == 4 and second.streams_open == 1
+            client.admit_pod("p", {"main": {RESOURCE: 1}})
+            assert len(second.allocate_requests) == 1
+        finally:
+            first.stop()
+            second.stop()
 
 
 # -- allocation -------------------------------------------------------------------------------

@@ -238,6 +238,63 @@ def test_a100_mig_profile_has_the_promised_mix():
     assert any(g["mig"]["mode"] == "disabled" for g in gpus)
 
 
+@pytest.mark.parametrize("name", ["a100-mig", "h100-mig", "a30-mig"])
+def test_mig_devices_name_their_profile_through_their_instances_as_go_nvlib_reads_them(node,
+                                                                                        name):
+    # go-nvlib pkg/nvlib/device/mig_device.go GetProfile (what nvidia-ctk cdi generate and
+    # NVIDIA's plugin call): parent, GI and CI ids, the GPU instance by id, the compute
+    # instance by id, their infos, then the GI profile and the CI profile with those ids
+    from agent.nvml import discovery, mig
+
+    node(name)
+    N = pynvml
+    expected = {d.uuid: d for d in mig.read_mig_devices(discovery.discover())}
+    assert expected
+    for uuid, device in expected.items():
+        h = N.nvmlDeviceGetHandleByUUID(uuid)
+        parent = N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
+        gi = N.nvmlDeviceGetGpuInstanceById(parent, N.nvmlDeviceGetGpuInstanceId(h))
+        ci = N.nvmlGpuInstanceGetComputeInstanceById(gi, N.nvmlDeviceGetComputeInstanceId(h))
+        gi_info, ci_info = N.nvmlGpuInstanceGetInfo(gi), N.nvmlComputeInstanceGetInfo(ci)
+        assert (gi_info.id, ci_info.id) == (device.gi, device.ci)
+        assert N.nvmlDeviceGetIndex(gi_info.device) == device.parent.index
+        assert gi_info.placement.size == device.gi_slices
+        giprof = next(p for p in range(N.NVML_GPU_INSTANCE_PROFILE_COUNT)
+                      if _answers(N.nvmlDeviceGetGpuInstanceProfileInfo, parent, p)
+                      and N.nvmlDeviceGetGpuInstanceProfileInfo(parent, p).id
+                      == gi_info.profileId)
+        ciprof = N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, ci_info.profileId, 0)
+        assert ciprof.id == ci_info.profileId and ciprof.sliceCount == device.ci_slices
+        assert ciprof.multiprocessorCount == device.multiprocessors
+        gislices = N.nvmlDeviceGetGpuInstanceProfileInfo(parent, giprof).sliceCount
+        assert (gislices, ci_info.placement.size) == (device.gi_slices, device.ci_slices)
+        want = f"MIG {device.profile}" if device.ci_slices == device.gi_slices else \
+            f"MIG {device.ci_slices}c.{device.profile.split('.', 1)[1]}"
+        assert text(ciprof.name).startswith(want.split("+")[0])
+    gpu = next(d.parent for d in expected.values())
+    parent = N.nvmlDeviceGetHandleByIndex(gpu.index)
+    with pytest.raises(N.NVMLError_NotFound):
+        N.nvmlDeviceGetGpuInstanceById(parent, 14)
+    gi = N.nvmlDeviceGetGpuInstanceById(parent, next(
+        d.gi for d in expected.values() if d.parent.index == gpu.index))
+    with pytest.raises(N.NVMLError_NotFound):
+        N.nvmlGpuInstanceGetComputeInstanceById(gi, 7)
+    with pytest.raises(N.NVMLError_InvalidArgument):
+        N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 0, 1)  # engine profile past SHARED
+    disabled = next(g["index"] for g in load_profile(name)["gpus"]
+                    if g.get("mig", {}).get("mode") == "disabled")
+    with pytest.raises(N.NVMLError_NotSupported):
+        N.nvmlDeviceGetGpuInstanceById(N.nvmlDeviceGetHandleByIndex(disabled), 0)
+
+
+def _answers(query, *args) -> bool:
+    try:
+        query(*args)
+        return True
+    except pynvml.NVMLError:
+        return False
+
+
 def test_dgx_h100_is_nv18_all_to_all_over_nvswitch():
     p = load_profile("dgx-h100")
     for g in p["gpus"]:

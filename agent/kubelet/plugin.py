@@ -283,6 +283,9 @@ class PluginServer:
                                               get_preferred_allocation_available=True)
         self.inode: int | None = None
         self.stopping = False
+        # called (on a gRPC thread) when kubelet ended the last open ListAndWatch stream while
+        # this server keeps serving: the registrar decides whether to register again
+        self.on_dropped: Callable[[], None] | None = None
         self._server: grpc.Server | None = None
         self._lock = threading.Lock()
         self._streams = 0
@@ -297,6 +300,9 @@ class PluginServer:
     def streams_closed(self) -> None:
         with self._lock:
             self._streams -= 1
+            dropped = self._streams == 0 and not self.stopping
+        if dropped and self.on_dropped is not None:
+            self.on_dropped()
 
     @property
     def open_streams(self) -> int:

@@ -7,7 +7,10 @@ now, never the order of past events, so a burst of events (a kubelet restart, tw
 - a server is (re)started only when its own socket file is gone (kubelet wiped the directory,
   or someone removed it);
 - a resource registers when the kubelet instance (the identity of kubelet.sock: device, inode
-  and ctime) differs from the instance it last registered with. Registration is immediate (no
+  and ctime) differs from the instance it last registered with, or when that instance ended
+  the resource's last ListAndWatch stream while our server kept serving (kubelet dropped us
+  without restarting: up to 1.34 it does so to a plugin that replaced another one of the same
+  resource when the other one's stream ends, docs/install.md). Registration is immediate (no
   settle delay); a failed attempt is retried after 10 ms doubling to 5 s while kubelet.sock
   exists, and at once when another kubelet instance appears.
 One thread does all of it (`registrar`): it sleeps in select() on the inotify descriptor and
@@ -69,7 +72,7 @@ class _Plugin:
     """What the registrar knows of one resource's server and registration."""
 
     __slots__ = ("manager", "server", "registered_with", "registrations", "failed_for",
-                 "retry_at", "backoff", "last_error", "servers_started")
+                 "retry_at", "backoff", "last_error", "servers_started", "dropped")
 
     def __init__(self, manager: ResourceManager, registrations: int = 0):
         self.manager = manager
@@ -81,6 +84,7 @@ class _Plugin:
         self.backoff = RETRY_FIRST_S
         self.last_error = ""
         self.servers_started = 0
+        self.dropped = False  # kubelet ended our last stream; set from a gRPC thread
 
 
 class _Wanted(NamedTuple):
@@ -263,6 +267,15 @@ class Registrar:
                 return True
             changed = True
         kubelet = kubelet_identity(self.kubelet_socket)
+        if p.dropped:
+            with self._lock:
+                p.dropped = False
+                again = kubelet is not None and kubelet == p.registered_with
+                if again:
+                    p.registered_with = None
+            if again:
+                log.info("%s: kubelet ended our ListAndWatch stream without restarting; "
+                         "registering again", name)
         if kubelet is None:
             waiting = f"kubelet is not serving {self.kubelet_socket} yet; waiting for it"
             if p.last_error != waiting:
@@ -286,10 +299,19 @@ class Registrar:
             delay = self._failed(p, None, f"cannot serve {p.manager.resource}: {exc}")
             log.error("%s; retrying in %g s", p.last_error, delay)
             return False
+        server.on_dropped = lambda: self._dropped(p, server)
         with self._lock:
             p.server, p.registered_with = server, None
         p.servers_started += 1
         return True
+
+    def _dropped(self, p: _Plugin, server: PluginServer) -> None:
+        """A gRPC thread: kubelet ended `server`'s last stream; the next pass looks."""
+        with self._lock:
+            if p.server is not server:
+                return
+            p.dropped = True
+        self._wake()
 
     def _stop_server(self, p: _Plugin, why: str) -> None:
         server = p.server

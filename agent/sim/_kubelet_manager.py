@@ -27,7 +27,10 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, SUPPORTED_VERSIONS, UNHEALTHY
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
+from agent.errors import SimError
 from agent.sim.kubelet import (
+    DEFAULT_KUBELET_VERSION,
+    KUBELET_VERSIONS,
     BadRequest,
     PodExists,
     PodNotFound,
@@ -162,7 +165,9 @@ class _Resource:
     """kubelet's knowledge of one resource; outlives endpoints and restarts."""
 
     name: str
-    endpoint: _Endpoint | None = None
+    endpoint: _Endpoint | None = None  # the registration Allocate goes to
+    # earlier registrations whose streams still run (a second plugin registered the resource)
+    others: list[_Endpoint] = field(default_factory=list)
     endpoint_name: str = ""
     options: dp.DevicePluginOptions | None = None
     registrations: int = 0
@@ -198,9 +203,16 @@ class _PodRecord:
 class DeviceManager:
     """The device manager of one simulated kubelet. Thread-safe; plugin RPCs run unlocked."""
 
-    def __init__(self, directory: str, dial_timeout: float):
+    def __init__(self, directory: str, dial_timeout: float,
+                 kubelet_version: str = DEFAULT_KUBELET_VERSION):
+        if kubelet_version not in KUBELET_VERSIONS:
+            raise SimError(f"kubelet version {kubelet_version!r}: the simulated kubelet "
+                           f"behaves as {' or '.join(KUBELET_VERSIONS)}")
         self.dir = directory
         self.dial_timeout = dial_timeout
+        # how a second registration of one resource is handled: "1.36" (and older) replace
+        # the first and let its stream run on; "1.37" keeps one endpoint per socket
+        self.kubelet_version = kubelet_version
         self.events = EventLog()
         self.started = now()
         self.restarts = 0
@@ -255,6 +267,12 @@ class DeviceManager:
                                   "dialling the plugin; register again")
             res = self._resources.setdefault(resource, _Resource(resource))
             old = res.endpoint
+            if self.kubelet_version == "1.37" and any(
+                    e.path == path for e in [old, *res.others] if e is not None):
+                channel.close()  # 1.37's PluginConnected: one endpoint per socket path
+                self._reject(req, f"device plugin already connected: {path}")
+            if old is not None:  # its stream runs on (kubelet does not close it)
+                res.others.append(old)
             res.registrations += 1
             ep = _Endpoint(resource, endpoint, path, res.registrations, channel, stub, options)
             res.endpoint, res.endpoint_name, res.options = ep, endpoint, options
@@ -271,8 +289,9 @@ class DeviceManager:
             ep.thread.start()
         log.info("registered resource %s at %s (registration %d)", resource, path, ep.registration)
         if old is not None:
-            log.info("resource %s registered again: closing the previous stream", resource)
-            old.close("replaced by a new registration of the resource")
+            log.info("resource %s registered again: registration %d answers Allocate; the "
+                     "stream of registration %d runs on", resource, ep.registration,
+                     old.registration)
 
     def _reject(self, req: dp.RegisterRequest, reason: str) -> None:
         with self._lock:
@@ -296,8 +315,10 @@ class DeviceManager:
     def _on_snapshot(self, ep: _Endpoint, response: dp.ListAndWatchResponse) -> None:
         with self._lock:
             res = self._resources.get(ep.resource)
-            if res is None or res.endpoint is not ep:
+            if res is None or (res.endpoint is not ep and ep not in res.others):
                 return  # a stream being closed; kubelet no longer listens to it
+            # any open stream of the resource replaces its device list, the replaced
+            # registration's too (kubelet's callback goes by resource name)
             res.devices = {
                 d.ID: (HEALTHY if d.health == HEALTHY else UNHEALTHY,
                        tuple(n.ID for n in d.topology.nodes))
@@ -323,19 +344,40 @@ class DeviceManager:
                   [(d.id, d.health, list(d.numa_nodes)) for d in snapshot.devices])
 
     def _on_stream_end(self, ep: _Endpoint, reason: str) -> None:
+        """kubelet's runClient after a stream ended (plugin/v1beta1/handler.go). Up to 1.36 it
+        disconnects the resource's client by name: the registration that answers now, also
+        when the stream that ended belongs to one it replaced. 1.37 disconnects that stream's
+        own endpoint, and the resource turns unhealthy only when it was the last one."""
+        dropped = None
         with self._lock:
             res = self._resources.get(ep.resource)
-            current = res is not None and res.endpoint is ep
-            if current:
+            replaced = res is not None and ep in res.others
+            if replaced:
+                res.others.remove(ep)
+            if res is not None and res.endpoint is ep and self.kubelet_version == "1.37" \
+                    and res.others:
+                res.endpoint = res.others.pop()
+                reason += (f"; registration {res.endpoint.registration} of the same resource "
+                           f"answers from now on")
+            elif res is not None and (res.endpoint is ep or (
+                    replaced and self.kubelet_version == "1.36" and res.endpoint is not None)):
+                dropped = res.endpoint if res.endpoint is not ep else None
+                registration = res.endpoint.registration
                 res.endpoint = None
                 res.stream_end_reason = reason
                 res.devices = {d: (UNHEALTHY, numa) for d, (_, numa) in res.devices.items()}
-                self._record_change(res, Kind.STREAM_ENDED, ep.registration)
+                self._record_change(res, Kind.STREAM_ENDED, registration)
+                if dropped is not None:
+                    reason += (f"; kubelet 1.36 and older then disconnect the registration "
+                               f"that replaced it ({registration})")
                 reason += "; all its devices are now unhealthy until the plugin registers again"
             self.events.emit(Kind.STREAM_ENDED, resource_name=ep.resource, endpoint=ep.name,
                              message=reason)
         log.info("resource %s: ListAndWatch stream of registration %d ended: %s",
                  ep.resource, ep.registration, reason)
+        if dropped is not None:
+            dropped.close("kubelet disconnected it: the stream of a registration it replaced "
+                          "ended")
 
     # The allocatable history is what kubelet 1.32's device manager reports through GetCapacity
     # (pkg/kubelet/cm/devicemanager/manager.go): capacity = healthy + unhealthy devices,
@@ -379,8 +421,10 @@ class DeviceManager:
         """Close every stream (kubelet going away) and wait for their threads to report."""
         with self._lock:
             self._generation += 1
-            endpoints = [r.endpoint for r in self._resources.values() if r.endpoint is not None]
+            endpoints = [e for r in self._resources.values()
+                         for e in [r.endpoint, *r.others] if e is not None]
             for res in self._resources.values():
+                res.others = []
                 if res.endpoint is not None:
                     res.endpoint = None
                     res.stream_end_reason = reason
@@ -399,6 +443,7 @@ class DeviceManager:
             restarts = self.restarts
             for res in self._resources.values():
                 res.endpoint, res.endpoint_name, res.options = None, "", None
+                res.others = []
                 res.devices = {}
                 res.stream_end_reason = res.stream_end_reason or "kubelet restarted"
                 self._record_change(res, Kind.RESTARTED, res.registrations)

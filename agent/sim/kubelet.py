@@ -24,13 +24,16 @@ Choices, where kubelet versions or the brief differ:
 - GetPreferredAllocation is called whenever the plugin offers it, also when there are exactly
   as many candidates as needed: with no topology hint that is what devicesToAllocate does.
 - Register errors come back as gRPC status UNKNOWN (kubelet returns plain Go errors); the
-  message names the reason. A second registration of a resource replaces the first and closes
-  its stream. kubelet 1.32 leaves the first stream open, and when that stream ends later its
-  runClient finds the client by resource name, which is now the second one, and disconnects it
-  (plugin/v1beta1/handler.go): the resource turns unhealthy until the plugin registers a third
-  time. Not simulated (here the replaced stream's end changes nothing), so a clean history
-  here does not prove that a plugin which registers again while its stream is alive keeps
-  its devices on kubelet 1.32.
+  message names the reason.
+- A second registration of a resource (another plugin, or the same one from another socket)
+  is handled as the real kubelet of `kubelet_version` handles it, as the end-to-end tests saw
+  on kubelet 1.34 and 1.37 (tests/e2e/test_migration.py): the first registration's stream
+  runs on and its device lists still count, Allocate goes to the newest. "1.36" (the default,
+  and every version before 1.37): when the replaced stream ends, runClient finds the client by
+  resource name, which is now the newer one, and disconnects it (plugin/v1beta1/handler.go):
+  the resource is unhealthy until a plugin registers again. "1.37": one endpoint per socket
+  path; an ended stream removes its own, and the resource turns unhealthy only when its last
+  one ends; a second registration from a socket path already connected is refused.
 - Not simulated: the topology manager (no NUMA hints), init containers and device reuse, the
   5-minute grace before an ended resource's capacity drops to 0, node-status lag, the on-disk
   checkpoint (pods survive restart() in memory), cpu/memory/DRA in podresources, and the
@@ -49,6 +52,9 @@ from agent.errors import SimError
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
+# the kubelet device managers the simulator can behave as (see "Choices" above)
+KUBELET_VERSIONS = ("1.36", "1.37")
+DEFAULT_KUBELET_VERSION = "1.36"
 CONTROL_SUBDIR = "sim-control"
 CONTROL_SOCKET = "kubelet-control.sock"
 PODRESOURCES_SUBDIR = "pod-resources"
@@ -143,7 +149,7 @@ def _cmd_kubelet(args: argparse.Namespace) -> int:
     from agent.sim._kubelet_server import SimKubelet
 
     sim = SimKubelet(args.dir, podresources_socket=args.podresources_socket,
-                     dial_timeout=args.dial_timeout)
+                     dial_timeout=args.dial_timeout, kubelet_version=args.kubelet_version)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -229,6 +235,10 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
                    help="podresources v1 socket (default DIR/pod-resources/kubelet.sock)")
     p.add_argument("--dial-timeout", type=float, default=DEFAULT_DIAL_TIMEOUT,
                    help="seconds Register waits to reach the plugin's socket (kubelet: 10)")
+    p.add_argument("--kubelet-version", choices=KUBELET_VERSIONS,
+                   default=DEFAULT_KUBELET_VERSION,
+                   help="handle a second registration of a resource as this kubelet does "
+                        f"(docs/simulator.md; default {DEFAULT_KUBELET_VERSION})")
     p.set_defaults(func=_cmd_kubelet)
 
     p = with_dir(simsub.add_parser("kubelet-state", help="show what the simulated kubelet knows"))

@@ -443,20 +443,27 @@ state = "{self.path('containerd', 'state')}"
         nodes and the driver's libraries, built once per cluster; the CDI spec of its GPUs is
         written into the CDI directory containerd reads by NVIDIA's nvidia-ctk, over the
         simulated NVML. Returns the tree's root (the agent's driver and device-node root)."""
-        from agent.sim import PROFILES_DIR
         from agent.sim.driver_tree import build
 
         root = self.path("driver", profile)
         if not os.path.isdir(root):
-            build(root, str(PROFILES_DIR / f"{profile}.yaml"), node_kind="char",
+            build(root, str(_profile_path(profile)), node_kind="char",
                   containerd=None, toolkit=False, cdi_spec=False, driver_libraries=True)
         libdir = os.path.join(root, "usr", "lib", "x86_64-linux-gnu")
+        # nvidia-ctk reads the MIG capability minors of each MIG device from the host's
+        # /proc/driver/nvidia-caps/mig-minors whatever --driver-root says
+        # (internal/platform-support/dgpu/dgpu.go, nvcaps.NewMigCaps): it runs in a mount
+        # namespace of its own where /proc/driver holds the simulated driver's file.
+        minors = os.path.join(root, "proc", "driver", "nvidia-caps", "mig-minors")
+        setup = ('mount -t tmpfs e2e /proc/driver && mkdir /proc/driver/nvidia-caps && '
+                 'cp "$1" /proc/driver/nvidia-caps/mig-minors && shift && exec "$@"')
         out = subprocess.run([
+            "unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh", minors,
             self.tool("nvidia-ctk"), "cdi", "generate", "--driver-root", root,
             "--dev-root", root, "--nvidia-cdi-hook-path", self.tool("nvidia-cdi-hook"),
             "--output", os.path.join(self.cdi_dir, "nvidia.yaml")],
             env={**os.environ, "LD_LIBRARY_PATH": libdir,
-                 "GPU_AGENT_SIM_PROFILE": str(PROFILES_DIR / f"{profile}.yaml")},
+                 "GPU_AGENT_SIM_PROFILE": str(_profile_path(profile))},
             capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise ClusterError(f"nvidia-ctk cdi generate failed:\n{out.stderr[-4000:]}")

@@ -26,6 +26,9 @@ from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
 GPU = "nvidia.com/gpu"
 NS = "default"
 RESULTS = ROOT / ".e2e" / "results"
+# how often kubelet's podresources is polled where no watch exists: under its rate limit
+# (100 calls a second), and the resolution of the times measured that way
+POLL = 0.02
 
 
 def pytest_addoption(parser):
@@ -119,20 +122,23 @@ class E2ENode:
             raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def wait_allocatable(self, count: int, resource: str = GPU, capacity: int | None = None,
-                         timeout: float = 60) -> float:
+                         timeout: float = 60, node_object: bool = True) -> float:
         """Until kubelet's device manager has `count` healthy devices of `resource` (what it
-        admits pods by: podresources GetAllocatableResources) and the Node object shows that
-        allocatable (and `capacity`), which the scheduler goes by and which kubelet updates
-        every nodeStatusUpdateFrequency (10 s); returns the seconds the Node object took."""
+        admits pods by: podresources GetAllocatableResources) and, with `node_object`, the
+        Node object shows that allocatable (and `capacity`), which the scheduler goes by and
+        which kubelet updates every nodeStatusUpdateFrequency (10 s); returns the seconds it
+        took."""
         start = time.monotonic()
         deadline = start + timeout
         while len(self.allocatable_ids(resource)) != count:
-            dead = [a for a in self.agents if not a.proc.alive()]
-            if time.monotonic() > deadline or (dead and count):
+            gone = bool(self.agents) and not any(a.proc.alive() for a in self.agents)
+            if time.monotonic() > deadline or (gone and count):
                 raise AssertionError(f"kubelet's device manager never had {count} healthy "
                                      f"{resource}: {sorted(self.allocatable_ids(resource))}\n"
                                      f"{self.logs()}")
-            time.sleep(0.02)
+            time.sleep(POLL)
+        if not node_object:
+            return time.monotonic() - start
 
         def shows(status):
             ok = int(status.get("allocatable", {}).get(resource, "0")) == count
@@ -192,12 +198,20 @@ class E2ENode:
     def assigned(self, pod: str, resource: str = GPU) -> list[str]:
         """The device IDs kubelet assigned to the pod's container, from kubelet's own
         podresources API (the truth the container should match)."""
+        return self.assigned_all(resource).get(pod, [])
+
+    def assigned_all(self, resource: str = GPU) -> dict[str, list[str]]:
+        """Pod name -> the device IDs of `resource` kubelet assigned to it, in one List
+        (kubelet rate-limits podresources: 100 calls a second, bursts of 10)."""
         from agent.kubelet.podresources import PodResourcesClient
 
         client = PodResourcesClient(self.cluster.podresources_socket)
+        out: dict[str, list[str]] = {}
         try:
-            return [i for d in client.list() if d.namespace == NS and d.name == pod
-                    and d.resource == resource for i in d.device_ids]
+            for d in client.list():
+                if d.namespace == NS and d.resource == resource:
+                    out.setdefault(d.name, []).extend(d.device_ids)
+            return out
         finally:
             client.close()
 

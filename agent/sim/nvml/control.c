@@ -240,15 +240,10 @@ static void new_instance(sim_gpu *g, sim_mig *migs, int n, int p)
 /* Install `migs` as GPU `gpu`'s MIG devices (handles follow their new positions). */
 static void set_instances(sim_gpu *g, int gpu, const sim_mig *migs, int n)
 {
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++)
         g->migs[i] = migs[i];
-        g->migs[i].h.magic = SIM_MAGIC_DEVICE;
-        g->migs[i].h.gpu = gpu;
-        g->migs[i].h.mig = i;
-    }
-    for (int i = n; i < g->nmig; i++)
-        g->migs[i].h.magic = 0;
     g->nmig = n;
+    sim_set_mig_handles(g, gpu);
 }
 
 /* `layout`: "<profile>:<count>,...". Instances of a profile already there are kept (their

@@ -510,6 +510,181 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device
     return gi_profile_info(device, profile, NULL, info);
 }
 
+/* ---- GPU and compute instances ---- */
+
+/* The compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* (6, 8 and the rev1 / NVL
+ * variants are never offered: no shipped GPU has them). */
+static const unsigned int CI_PROFILE_SLICES[SIM_NUM_CI_PROFILES] = {1, 2, 3, 4, 7, 8, 6, 1, 7};
+
+/* The compute slices of MIG device m (its compute instance). */
+static unsigned int ci_slices_of(const sim_gpu *g, const sim_mig *m)
+{
+    unsigned int gs = g->profiles[m->profile].slices;
+    return m->ci_slices && m->ci_slices < gs ? m->ci_slices : gs;
+}
+
+/* The compute instance profile constant with `slices` compute slices. */
+static unsigned int ci_profile_of(unsigned int slices)
+{
+    for (unsigned int p = 0; p < 5; p++)
+        if (CI_PROFILE_SLICES[p] == slices)
+            return p;
+    return 0;
+}
+
+/* Where GPU instance m's memory slices start: after the slices of the GPU instances listed
+ * before it (placements are not modelled beyond that). */
+static unsigned int gi_start(const sim_gpu *g, const sim_mig *m)
+{
+    unsigned int start = 0;
+    for (const sim_mig *k = g->migs; k < m; k++) {
+        int first = 1;
+        for (const sim_mig *j = g->migs; j < k; j++)
+            if (j->gi == k->gi)
+                first = 0;
+        if (first && k->gi != m->gi)
+            start += g->profiles[k->profile].slices;
+    }
+    return start;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                                     nvmlGpuInstance_t *gpuInstance)
+{
+    ENTER(FULL_GPU, device, gpuInstance != NULL);
+    if (!g->mig_capable || !g->mig_mode)
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    for (int k = 0; k < g->nmig; k++)
+        if (g->migs[k].gi == id) {
+            *gpuInstance = &g->migs[k].gi_h;
+            DONE(NVML_SUCCESS);
+        }
+    DONE(NVML_ERROR_NOT_FOUND);
+}
+
+/* Open a query on a GPU instance (GI) or compute instance (CI) handle: declare g and m (the
+ * MIG device that answers for it). Past it the lock is held. */
+#define ENTER_INSTANCE(kind, handle, out_ok) \
+    sim_gpu *g; \
+    sim_mig *m; \
+    TRY_ENTER(sim_enter_instance((handle), SIM_MAGIC_##kind, (out_ok), &g, &m))
+
+SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance,
+                                               nvmlGpuInstanceInfo_t *info)
+{
+    ENTER_INSTANCE(GI, gpuInstance, info != NULL);
+    const sim_mig_profile *p = &g->profiles[m->profile];
+    info->device = &g->h;
+    info->id = m->gi;
+    info->profileId = p->id;
+    info->placement.start = gi_start(g, m);
+    info->placement.size = p->slices;
+    DONE(NVML_SUCCESS);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuInstance,
+                                                              unsigned int id,
+                                                              nvmlComputeInstance_t *computeInstance)
+{
+    ENTER_INSTANCE(GI, gpuInstance, computeInstance != NULL);
+    for (int k = 0; k < g->nmig; k++)
+        if (g->migs[k].gi == m->gi && g->migs[k].ci == id) {
+            *computeInstance = &g->migs[k].ci_h;
+            DONE(NVML_SUCCESS);
+        }
+    DONE(NVML_ERROR_NOT_FOUND);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
+                                                      nvmlComputeInstanceInfo_t *info)
+{
+    ENTER_INSTANCE(CI, computeInstance, info != NULL);
+    const sim_mig *gi = m;
+    for (int k = 0; k < g->nmig; k++)
+        if (g->migs[k].gi == m->gi) {
+            gi = &g->migs[k];
+            break;
+        }
+    unsigned int cs = ci_slices_of(g, m);
+    info->device = &g->h;
+    info->gpuInstance = (nvmlGpuInstance_t)&gi->gi_h;
+    info->id = m->ci;
+    info->profileId = ci_profile_of(cs);
+    info->placement.start = 0;
+    info->placement.size = cs;
+    DONE(NVML_SUCCESS);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInstance,
+                                                   nvmlComputeInstanceInfo_t *info)
+{
+    return nvmlComputeInstanceGetInfo_v2(computeInstance, info);
+}
+
+/* The compute instance profiles a GPU instance offers: a compute instance of 1, 2, 3, 4 or 7
+ * slices that fits in it (3 only in a 3- or 7-slice instance, 4 only in a 4- or 7-slice one,
+ * as an A100 or H100 lists them), with the SHARED engine profile. Into *v1, *v2 or *v3. */
+static nvmlReturn_t ci_profile_info(nvmlGpuInstance_t gpuInstance, unsigned int profile,
+                                    unsigned int engine, nvmlComputeInstanceProfileInfo_t *v1,
+                                    nvmlComputeInstanceProfileInfo_v2_t *v2,
+                                    nvmlComputeInstanceProfileInfo_v3_t *v3)
+{
+    ENTER_INSTANCE(GI, gpuInstance, v1 != NULL || v2 != NULL || v3 != NULL);
+    if (profile >= SIM_NUM_CI_PROFILES || engine >= SIM_NUM_CI_ENGINE_PROFILES)
+        DONE(NVML_ERROR_INVALID_ARGUMENT);
+    const sim_mig_profile *gp = &g->profiles[m->profile];
+    unsigned int slices = CI_PROFILE_SLICES[profile], gs = gp->slices;
+    if (profile > 4 || slices > gs || (slices == 3 && gs != 3 && gs != 7) ||
+        (slices == 4 && gs != 4 && gs != 7))
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    if ((v2 && v2->version != SIM_CI_PROFILE_INFO_V2_VERSION) ||
+        (v3 && v3->version != SIM_CI_PROFILE_INFO_V3_VERSION))
+        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    struct {
+        unsigned int id, slices, instance_count, multiprocessors;
+        unsigned int copy_engines, decoders, encoders, jpegs, ofas;
+    } ci = {profile, slices, gs / slices, gs ? gp->multiprocessors * slices / gs : 0,
+            gp->copy_engines, gp->decoders, gp->encoders, gp->jpegs, gp->ofas},
+      *src = &ci;
+    char name[96];
+    if (slices == gs)
+        snprintf(name, sizeof name, "MIG %s", gp->name);
+    else
+        snprintf(name, sizeof name, "MIG %uc.%s", slices, gp->name);
+    if (v1) {
+        nvmlComputeInstanceProfileInfo_t *out = v1;
+        SIM_CI_PROFILE_FIELDS(COPY_FIELD)
+    } else if (v2) {
+        nvmlComputeInstanceProfileInfo_v2_t *out = v2;
+        SIM_CI_PROFILE_FIELDS(COPY_FIELD)
+        snprintf(out->name, sizeof out->name, "%s", name);
+    } else {
+        nvmlComputeInstanceProfileInfo_v3_t *out = v3;
+        SIM_CI_PROFILE_FIELDS(COPY_FIELD)
+        snprintf(out->name, sizeof out->name, "%s", name);
+        out->capabilities = 0;
+    }
+    DONE(NVML_SUCCESS);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(
+    nvmlGpuInstance_t gpuInstance, unsigned int profile, unsigned int engProfile,
+    nvmlComputeInstanceProfileInfo_t *info)
+{
+    return ci_profile_info(gpuInstance, profile, engProfile, info, NULL, NULL);
+}
+
+/* The versioned query: the layout follows info->version (2 or 3). */
+SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(
+    nvmlGpuInstance_t gpuInstance, unsigned int profile, unsigned int engProfile,
+    nvmlComputeInstanceProfileInfo_v2_t *info)
+{
+    if (info && info->version == SIM_CI_PROFILE_INFO_V3_VERSION)
+        return ci_profile_info(gpuInstance, profile, engProfile, NULL, NULL,
+                               (nvmlComputeInstanceProfileInfo_v3_t *)info);
+    return ci_profile_info(gpuInstance, profile, engProfile, NULL, info, NULL);
+}
+
 /* ---- ECC ---- */
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int errorType,

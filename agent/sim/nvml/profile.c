@@ -928,11 +928,7 @@ int sim_profile_load(sim_node *node, char *err, size_t errlen)
         g->h.magic = SIM_MAGIC_DEVICE;
         g->h.gpu = i;
         g->h.mig = -1;
-        for (int m = 0; m < g->nmig; m++) {
-            g->migs[m].h.magic = SIM_MAGIC_DEVICE;
-            g->migs[m].h.gpu = i;
-            g->migs[m].h.mig = m;
-        }
+        sim_set_mig_handles(g, i);
         g->lost = (node->fault_lost >> i) & 1;
         g->events_unsupported = (node->fault_events_unsupported >> i) & 1;
     }

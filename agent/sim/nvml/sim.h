@@ -89,8 +89,12 @@ enum {
 #define SIM_NVLINK_DEVICE_GPU 0
 #define SIM_NVLINK_DEVICE_SWITCH 2
 
-/* Opaque handles: pointers to sim_handle (devices) and sim_eventset (event sets). */
+/* Opaque handles: pointers to sim_handle (devices, GPU instances, compute instances: told
+ * apart by their magic) and sim_eventset (event sets). NVML's header wraps the instance
+ * handles in a one-pointer struct, which the ABI passes as the pointer. */
 typedef struct sim_handle *nvmlDevice_t;
+typedef struct sim_handle *nvmlGpuInstance_t;
+typedef struct sim_handle *nvmlComputeInstance_t;
 typedef struct sim_eventset *nvmlEventSet_t;
 
 /*
@@ -198,6 +202,63 @@ typedef struct {
 #define SIM_GI_PROFILE_INFO_V2_VERSION \
     ((unsigned int)(sizeof(nvmlGpuInstanceProfileInfo_v2_t) | (2u << 24)))
 
+/* GPU and compute instances (what go-nvlib reads to name a MIG device's profile). */
+typedef struct {
+    unsigned int start; /* first occupied slice */
+    unsigned int size;  /* slices occupied */
+} nvmlInstancePlacement_t;
+
+typedef struct {
+    nvmlDevice_t device; /* the parent GPU */
+    unsigned int id;
+    unsigned int profileId;
+    nvmlInstancePlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+typedef struct {
+    nvmlDevice_t device; /* the parent GPU */
+    nvmlGpuInstance_t gpuInstance;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlInstancePlacement_t placement; /* within the GPU instance's compute slices */
+} nvmlComputeInstanceInfo_t;
+
+/* What every compute instance profile info layout has. */
+#define SIM_CI_PROFILE_FIELDS(X) \
+    X(unsigned int, id, id) \
+    X(unsigned int, sliceCount, slices) \
+    X(unsigned int, instanceCount, instance_count) \
+    X(unsigned int, multiprocessorCount, multiprocessors) \
+    X(unsigned int, sharedCopyEngineCount, copy_engines) \
+    X(unsigned int, sharedDecoderCount, decoders) \
+    X(unsigned int, sharedEncoderCount, encoders) \
+    X(unsigned int, sharedJpegCount, jpegs) \
+    X(unsigned int, sharedOfaCount, ofas)
+
+typedef struct {
+    SIM_CI_PROFILE_FIELDS(SIM_DECLARE_FIELD)
+} nvmlComputeInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned int version;
+    SIM_CI_PROFILE_FIELDS(SIM_DECLARE_FIELD)
+    char name[96];
+} nvmlComputeInstanceProfileInfo_v2_t;
+
+typedef struct {
+    unsigned int version;
+    SIM_CI_PROFILE_FIELDS(SIM_DECLARE_FIELD)
+    char name[96];
+    unsigned int capabilities;
+} nvmlComputeInstanceProfileInfo_v3_t;
+
+#define SIM_CI_PROFILE_INFO_V2_VERSION \
+    ((unsigned int)(sizeof(nvmlComputeInstanceProfileInfo_v2_t) | (2u << 24)))
+#define SIM_CI_PROFILE_INFO_V3_VERSION \
+    ((unsigned int)(sizeof(nvmlComputeInstanceProfileInfo_v3_t) | (3u << 24)))
+#define SIM_NUM_CI_PROFILES 0x9     /* NVML_COMPUTE_INSTANCE_PROFILE_COUNT */
+#define SIM_NUM_CI_ENGINE_PROFILES 1 /* NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT (SHARED) */
+
 /* ---- limits of the node model (profile.py enforces the same ones) ---- */
 
 #define SIM_MAX_GPUS 64
@@ -217,6 +278,8 @@ typedef struct {
 #define SIM_LEN_CPULIST 1024
 
 #define SIM_MAGIC_DEVICE 0x53494d44u /* "SIMD" */
+#define SIM_MAGIC_GI 0x53494d47u     /* "SIMG": a MIG device's GPU instance */
+#define SIM_MAGIC_CI 0x53494d43u     /* "SIMC": a MIG device's compute instance */
 #define SIM_MAGIC_SET 0x53494d45u    /* "SIME" */
 
 /* ---- node model ---- */
@@ -243,6 +306,9 @@ typedef struct {
 
 typedef struct {
     struct sim_handle h;
+    /* its GPU instance (the first MIG device of a GPU instance answers for it) and compute
+     * instance, as handles */
+    struct sim_handle gi_h, ci_h;
     unsigned int gi, ci;
     int profile; /* index into sim_gpu.profiles */
     unsigned int ci_slices; /* the compute instance's slices; 0: the whole GPU instance */
@@ -403,6 +469,13 @@ unsigned long long sim_now_ns(void);
 void sim_sleep_until_ns(unsigned long long until_ns);
 /* Validate another handle while the lock is held (for calls taking two devices). */
 nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig);
+/* Number GPU `gpu`'s MIG devices' handles (device, GPU instance, compute instance) after its
+ * instances changed; the handles of positions past g->nmig become invalid. */
+void sim_set_mig_handles(sim_gpu *g, int gpu);
+/* sim_enter, then find the MIG device whose GPU instance (magic SIM_MAGIC_GI) or compute
+ * instance (SIM_MAGIC_CI) handle `h` is; as sim_enter_device otherwise. */
+nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
+                                sim_mig **mig);
 SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result);
 void sim_leave(void);
 nvmlReturn_t sim_copy_string(char *dst, unsigned int len, const char *src);

@@ -67,6 +67,62 @@ nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig
     return rc;
 }
 
+void sim_set_mig_handles(sim_gpu *g, int gpu)
+{
+    for (int m = 0; m < SIM_MAX_MIG; m++) {
+        sim_mig *mig = &g->migs[m];
+        int live = m < g->nmig;
+        struct sim_handle id = {0, gpu, m};
+        mig->h = mig->gi_h = mig->ci_h = id;
+        mig->h.magic = live ? SIM_MAGIC_DEVICE : 0;
+        mig->gi_h.magic = live ? SIM_MAGIC_GI : 0;
+        mig->ci_h.magic = live ? SIM_MAGIC_CI : 0;
+    }
+}
+
+/* The MIG device whose instance handle `h` (of kind `magic`) is, without dereferencing
+ * foreign pointers. */
+static nvmlReturn_t lookup_instance(struct sim_handle *h, uint32_t magic, sim_gpu **gpu,
+                                    sim_mig **mig)
+{
+    uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_node.gpus;
+    if (!h || p < base || p >= base + sizeof g_node.gpus)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    size_t idx = (p - base) / sizeof(sim_gpu);
+    sim_gpu *g = &g_node.gpus[idx];
+    if ((int)idx >= g_node.ngpus)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (int m = 0; m < g->nmig; m++) {
+        sim_mig *candidate = &g->migs[m];
+        struct sim_handle *own = magic == SIM_MAGIC_GI ? &candidate->gi_h : &candidate->ci_h;
+        if (h == own && own->magic == magic) {
+            *gpu = g;
+            *mig = candidate;
+            return g->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
+                                sim_mig **mig)
+{
+    for (;;) {
+        nvmlReturn_t rc = sim_enter(1);
+        if (rc)
+            return rc;
+        rc = lookup_instance(h, magic, gpu, mig);
+        if (rc == NVML_SUCCESS && !out_ok)
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        if (rc) {
+            sim_leave();
+            return rc;
+        }
+        if (!sim_hang_wait(*gpu))
+            return NVML_SUCCESS;
+    }
+}
+
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, int out_ok, sim_gpu **gpu, sim_mig **mig)
 {
     for (;;) {
