@@ -281,10 +281,10 @@ def test_mig_devices_name_their_profile_through_their_instances_as_go_nvlib_read
         N.nvmlGpuInstanceGetComputeInstanceById(gi, 7)
     with pytest.raises(N.NVMLError_InvalidArgument):
         N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 0, 1)  # engine profile past SHARED
-    disabled = next(g["index"] for g in load_profile(name)["gpus"]
-                    if g.get("mig", {}).get("mode") == "disabled")
-    with pytest.raises(N.NVMLError_NotSupported):
-        N.nvmlDeviceGetGpuInstanceById(N.nvmlDeviceGetHandleByIndex(disabled), 0)
+    for g in load_profile(name)["gpus"]:  # a GPU with MIG off has no GPU instances
+        if g.get("mig", {}).get("mode") != "enabled":
+            with pytest.raises(N.NVMLError_NotSupported):
+                N.nvmlDeviceGetGpuInstanceById(N.nvmlDeviceGetHandleByIndex(g["index"]), 0)
 
 
 def _answers(query, *args) -> bool:
