@@ -12,8 +12,16 @@ APT_BUILD := gcc python3-dev python3-venv
 # `make test` installs them as root only (CI), elsewhere those tests say they skipped.
 APT_RPM   := rpm rpmlint systemd
 APT_TEST  := prometheus
+# What `make e2e`'s cluster runs beside the components it builds (docs/e2e.md): runc, the
+# busybox its pods run, the CNI plugins its runtime's network config names, and openssl for
+# its certificates.
+APT_E2E   := runc busybox-static containernetworking-plugins openssl
+# The Kubernetes versions `make e2e` runs, newest first (one per tests/e2e/components/
+# kubernetes-v*); CI runs the newest: `make e2e E2E_K8S=<newest>`.
+E2E_K8S   ?= $(shell ls tests/e2e/components | sed -n 's/^kubernetes-v//p' | sort -rV)
 
-.PHONY: all venv build test test-under-load lint demo proto bench soak clean rpm rpm-tools
+.PHONY: all venv build test test-under-load lint demo proto bench soak clean rpm rpm-tools \
+        e2e e2e-build e2e-cluster
 
 all: build
 
@@ -76,6 +84,27 @@ rpm: rpm-tools
 rpm-tools:
 	@if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  scripts/apt-install $(APT_RPM) $(APT_TEST); fi
+
+# The real Kubernetes components, built from their pinned Go modules into .e2e/bin (cached:
+# rebuilt only when a pin changes). Needs Go 1.26 and the Go module proxy.
+e2e-build:
+	scripts/e2e-build --k8s $(E2E_K8S)
+
+# The end-to-end cases on a real one-node cluster (tests/e2e, docs/e2e.md), once per Kubernetes
+# version in E2E_K8S. Root only: kubelet, containerd and the device nodes need it.
+e2e: build e2e-build
+	@[ "$$(id -u)" -eq 0 ] || { echo "make e2e: needs root (kubelet, containerd, mknod)" >&2; exit 1; }
+	@scripts/apt-install $(APT_E2E)
+	@for v in $(E2E_K8S); do \
+	  start=$$(date +%s); \
+	  $(VPY) -m pytest -q -p no:cacheprovider tests/e2e --k8s $$v || exit 1; \
+	  echo "e2e on Kubernetes $$v: passed in $$(( $$(date +%s) - start )) s"; \
+	done
+
+# The cluster alone, kept until Ctrl-C, for trying things by hand (docs/e2e.md).
+e2e-cluster: build e2e-build
+	@scripts/apt-install $(APT_E2E)
+	$(VPY) -m tests.e2e.cluster up --k8s $(firstword $(E2E_K8S))
 
 # Byte-compiled first, as the RPM installs it (start-up figures would otherwise include
 # compiling every module when PYTHONDONTWRITEBYTECODE is set).

@@ -223,6 +223,7 @@ SCHEMA: dict = {
         "checkpointDeviceIDStrategy": OPTION,
         "podResourcesSocket": OPTION,
         "reconcileInterval": OPTION,
+        "endedPodGrace": OPTION,
         "journalSyncInterval": OPTION,
         "migCheckInterval": OPTION,
         "nvmlCallTimeout": OPTION,

@@ -36,6 +36,7 @@ from agent.constants import (
     DEFAULT_DEVICE_ID_STRATEGY,
     DEFAULT_DEVICE_LIST_STRATEGIES,
     DEFAULT_DRIVER_ROOT,
+    DEFAULT_ENDED_POD_GRACE_S,
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBELET_SOCKET,
@@ -176,6 +177,13 @@ OPTIONS: tuple[Option, ...] = (
         "agent.reconcileInterval", IntervalKind(), DEFAULT_RECONCILE_INTERVAL_S,
         "how often allocations are matched to pods through podresources, besides at start "
         "and after Allocate; 0: only then",
+    ),
+    Option(
+        "ended_pod_grace", "--ended-pod-grace", "GPU_AGENT_ENDED_POD_GRACE",
+        "agent.endedPodGrace", IntervalKind(minimum=0.0), DEFAULT_ENDED_POD_GRACE_S,
+        "how long podresources must keep not listing a pod before its allocations are "
+        "dropped (a restarted kubelet lists its pods only once it has read them from the API "
+        "server); 0: at the first listing without it",
     ),
     Option(
         "journal_sync_interval", "--journal-sync-interval", "GPU_AGENT_JOURNAL_SYNC_INTERVAL",

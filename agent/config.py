@@ -88,6 +88,7 @@ class Config(NamedTuple):
     checkpoint_device_id_strategy: str
     pod_resources_socket: str  # "": do not ask kubelet's podresources
     reconcile_interval: float  # seconds; 0: only at start and after Allocate
+    ended_pod_grace: float  # seconds a pod stays unlisted before its allocations are dropped
     journal_sync_interval: float  # seconds; 0: fdatasync before each Allocate answers
     mig_check_interval: float  # seconds; 0: the MIG layout is read at start and on SIGHUP
     nvml_call_timeout: float  # seconds (agent.nvml.guard); 0: NVML calls are waited for

@@ -77,6 +77,9 @@ VCUDA_CORE_UNITS = 100
 DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # Matching allocations to pods through podresources, besides at start and after Allocate.
 DEFAULT_RECONCILE_INTERVAL_S = 60.0
+# how long podresources must keep not listing a pod before its allocations are dropped: a
+# restarted kubelet lists its running pods only once it has read them from the API server
+DEFAULT_ENDED_POD_GRACE_S = 30.0
 # The allocation journal's background fdatasync (0: before every Allocate answers). One second
 # bounds what a power loss can take (a node that then reboots re-runs every Allocate anyway),
 # as InnoDB's innodb_flush_log_at_trx_commit=2 does; why it is safe: docs/state.md.

@@ -103,6 +103,7 @@ class Daemon:
         self.state = AllocationState(
             cfg.state_dir, keyed_by=cfg.checkpoint_device_id_strategy,
             socket_path=cfg.pod_resources_socket, period=cfg.reconcile_interval,
+            ended_grace=cfg.ended_pod_grace,
             sync_interval=cfg.journal_sync_interval, connect=PodResourcesClient,
             devices=self.resources.advertised, environ=self.environ)
         self.state.start()
@@ -242,7 +243,8 @@ class Daemon:
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
                                socket_path=new.pod_resources_socket,
                                period=new.reconcile_interval,
-                               sync_interval=new.journal_sync_interval)
+                               sync_interval=new.journal_sync_interval,
+                               ended_grace=new.ended_pod_grace)
         self.nvml.reconfigured(old, new)
         if self.nvml.up:
             if new.kubelet_socket != old.kubelet_socket and self.registrar is not None:

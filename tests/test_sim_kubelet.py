@@ -629,6 +629,9 @@ def test_restart_deletes_sockets_keeps_pods_and_the_plugin_registers_again(kubel
     assert state.restarts == 1
     assert (widget.connected, widget.capacity, widget.allocatable) == (False, 0, 0)
     assert state.pod("survivor").devices(RESOURCE) == ("w3", "w2")
+    channel, stub = podresources(kdir)
+    with channel:  # like a real kubelet, it lists its pods again only a while later
+        assert list(stub.List(pr.ListPodResourcesRequest(), timeout=WAIT).pod_resources) == []
 
     # The plugin notices its socket is gone, serves again and registers again.
     plugin.stop()
@@ -639,8 +642,12 @@ def test_restart_deletes_sockets_keeps_pods_and_the_plugin_registers_again(kubel
     with pytest.raises(PodRejected, match="Requested: 3, Available: 2"):
         kubelet.admit_pod("greedy", {"main": {RESOURCE: 3}})
     channel, stub = podresources(kdir)
+    deadline = time.monotonic() + WAIT
     with channel:
-        (pod,) = stub.List(pr.ListPodResourcesRequest(), timeout=WAIT).pod_resources
+        while not (listed := stub.List(pr.ListPodResourcesRequest(), timeout=WAIT)
+                   .pod_resources) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    (pod,) = listed
     assert pod.name == "survivor"
 
 

@@ -24,6 +24,7 @@ import pytest
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.host import BOOT_ID_ENV
+from agent.sim.kubelet import SimKubelet
 from agent.sim.profile import load_profile
 from agent.state.checkpoint import Checkpoint
 from agent.state.journal import JOURNAL_FILE, read_journal
@@ -123,7 +124,7 @@ def test_allocations_survive_an_agent_restart(node, stop):
 
 
 def test_attribution_follows_podresources_including_pods_that_ended_while_down(node):
-    agent = node.agent("--reconcile-interval", "200ms")
+    agent = node.agent("--reconcile-interval", "200ms", "--ended-pod-grace", "1s")
     agent.wait_registered()
     for name in ("a", "b", "c"):
         node.client.admit_pod(name, {"main": {GPU: 2}})
@@ -131,10 +132,12 @@ def test_attribution_follows_podresources_including_pods_that_ended_while_down(n
     agent.stop(signal.SIGKILL)
     node.client.delete_pod("b")  # ends while the agent is down
 
-    again = node.agent("--reconcile-interval", "200ms")
+    again = node.agent("--reconcile-interval", "200ms", "--ended-pod-grace", "1s")
     again.wait_registered(registrations=2)
     wait_records(again, lambda rs: {r.pod.name for r in rs if r.pod} == {"a", "c"} and
                  len(rs) == 2, "b's record dropped")
+    assert "(pod default/b container main) not listed by podresources; dropped if still not " \
+           "listed in 1 s" in again.log
     assert attributed(show(node)) == kubelet_view(node)
     assert "(pod default/b container main) dropped: pod default/b has ended" in again.log
 
@@ -149,6 +152,31 @@ def test_attribution_follows_podresources_including_pods_that_ended_while_down(n
                 "allocatable nvidia.com/gpu: 8)")
     status = node.status_with(*expected)
     assert all(t in status for t in expected), status
+
+
+def test_a_kubelet_restart_keeps_the_records_of_running_pods():
+    # The real kubelet lists a running pod again only once it has read it from the API server
+    # (tests/e2e/test_restarts.py saw the record dropped, then adopted without its Allocate);
+    # the simulated one lists none for `relist_after_restart` seconds, 3 here.
+    with Node(start_kubelet=False) as node:
+        node.kubelet = SimKubelet(node.kdir, dial_timeout=5.0, relist_after_restart=3.0)
+        node.kubelet.start()
+        agent = node.agent("--reconcile-interval", "200ms")
+        agent.wait_registered()
+        node.client.admit_pod("a", {"main": {GPU: 2}})
+        before = wait_records(agent, all_attributed(1), "a attributed").records
+        node.client.restart()
+        agent.wait_registered(registrations=2)
+        agent.wait_log("(pod default/a container main) not listed by podresources; dropped if "
+                       "still not listed in 30 s")
+        runs = read_status(node.state)["state"]["podResources"]["reconciles"]
+        node.status_when(lambda d: d["state"]["podResources"]["reconciles"] > runs
+                         and d["state"]["podResources"]["lastOutcome"]["unlisted"] == 0,
+                         "a pass that lists the pod again")
+        after = checkpoint(node)
+        assert [(r.id, r.pod, r.response) for r in after.records] == \
+            [(r.id, r.pod, r.response) for r in before]
+        assert " dropped: " not in agent.log and "adopted" not in agent.log
 
 
 # -- kill -9 at random moments ----------------------------------------------------------------

@@ -30,6 +30,7 @@ from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent.errors import SimError
 from agent.sim.kubelet import (
     DEFAULT_KUBELET_VERSION,
+    DEFAULT_RELIST_AFTER_RESTART_S,
     KUBELET_VERSIONS,
     BadRequest,
     PodExists,
@@ -204,7 +205,8 @@ class DeviceManager:
     """The device manager of one simulated kubelet. Thread-safe; plugin RPCs run unlocked."""
 
     def __init__(self, directory: str, dial_timeout: float,
-                 kubelet_version: str = DEFAULT_KUBELET_VERSION):
+                 kubelet_version: str = DEFAULT_KUBELET_VERSION,
+                 relist_after_restart: float = DEFAULT_RELIST_AFTER_RESTART_S):
         if kubelet_version not in KUBELET_VERSIONS:
             raise SimError(f"kubelet version {kubelet_version!r}: the simulated kubelet "
                            f"behaves as {' or '.join(KUBELET_VERSIONS)}")
@@ -213,6 +215,10 @@ class DeviceManager:
         # how a second registration of one resource is handled: "1.36" (and older) replace
         # the first and let its stream run on; "1.37" keeps one endpoint per socket
         self.kubelet_version = kubelet_version
+        # a restarted kubelet lists its pods in podresources only once it has read them from
+        # the API server again: none until this monotonic time
+        self.relist_after_restart = relist_after_restart
+        self._pods_listed_from = 0.0
         self.events = EventLog()
         self.started = now()
         self.restarts = 0
@@ -441,6 +447,7 @@ class DeviceManager:
         with self._lock:
             self.restarts += 1
             restarts = self.restarts
+            self._pods_listed_from = time.monotonic() + self.relist_after_restart
             for res in self._resources.values():
                 res.endpoint, res.endpoint_name, res.options = None, "", None
                 res.others = []
@@ -679,14 +686,21 @@ class DeviceManager:
             for c in pod.containers
         ])
 
+    def _pods_known(self) -> bool:
+        """False while a restarted kubelet has not read its pods again (podresources lists
+        none meanwhile, as kubelet's pod manager is empty until then)."""
+        return time.monotonic() >= self._pods_listed_from
+
     def list_pod_resources(self) -> pr.ListPodResourcesResponse:
         with self._lock:
+            if not self._pods_known():
+                return pr.ListPodResourcesResponse()
             return pr.ListPodResourcesResponse(
                 pod_resources=[self._pod_resources(self._pods[k]) for k in sorted(self._pods)])
 
     def get_pod_resources(self, name: str, namespace: str) -> pr.GetPodResourcesResponse:
         with self._lock:
-            record = self._pods.get((namespace, name))
+            record = self._pods.get((namespace, name)) if self._pods_known() else None
             if record is None:
                 raise PodNotFound(f"pod {name} in namespace {namespace} not found")
             return pr.GetPodResourcesResponse(pod_resources=self._pod_resources(record))

@@ -27,6 +27,7 @@ from agent.sim._kubelet_manager import DeviceManager, watch_events
 from agent.sim.kubelet import (
     DEFAULT_DIAL_TIMEOUT,
     DEFAULT_KUBELET_VERSION,
+    DEFAULT_RELIST_AFTER_RESTART_S,
     SimKubeletError,
     control_socket_path,
     default_podresources_socket,
@@ -141,14 +142,16 @@ class _Control(ctl_grpc.SimKubeletControlServicer):
 class SimKubelet:
     """A simulated kubelet serving in this process (threads); `gpu-agent sim kubelet` runs one.
 
-    `SimKubelet(dir, podresources_socket=None, dial_timeout=10.0, kubelet_version="1.36")`; `start()`, `stop()`,
+    `SimKubelet(dir, podresources_socket=None, dial_timeout=10.0, kubelet_version="1.36",
+    relist_after_restart=0.5)`; `start()`, `stop()`,
     `restart()` (returns (restart count, removed socket paths)), `state()` (the control API's
     State message); usable as a context manager. Talk to it with SimKubeletClient(dir).
     """
 
     def __init__(self, directory: str | os.PathLike, podresources_socket: str | None = None,
                  dial_timeout: float = DEFAULT_DIAL_TIMEOUT,
-                 kubelet_version: str = DEFAULT_KUBELET_VERSION):
+                 kubelet_version: str = DEFAULT_KUBELET_VERSION,
+                 relist_after_restart: float = DEFAULT_RELIST_AFTER_RESTART_S):
         self.dir = os.path.abspath(os.fspath(directory))
         self.kubelet_socket = kubelet_socket_path(self.dir)
         self.podresources_socket = os.path.abspath(
@@ -158,7 +161,8 @@ class SimKubelet:
             if len(path.encode()) > MAX_SOCKET_PATH:
                 raise SimError(f"socket path {path} is {len(path.encode())} bytes; unix sockets "
                                f"allow {MAX_SOCKET_PATH}: use a shorter --dir")
-        self.manager = DeviceManager(self.dir, dial_timeout, kubelet_version)
+        self.manager = DeviceManager(self.dir, dial_timeout, kubelet_version,
+                                     relist_after_restart)
         self._lock = threading.Lock()  # start/stop/restart one at a time
         self._registration: grpc.Server | None = None
         self._podresources: grpc.Server | None = None

@@ -34,10 +34,14 @@ Choices, where kubelet versions or the brief differ:
   the resource is unhealthy until a plugin registers again. "1.37": one endpoint per socket
   path; an ended stream removes its own, and the resource turns unhealthy only when its last
   one ends; a second registration from a socket path already connected is refused.
+- After a restart podresources lists no pods for `relist_after_restart` seconds (default 0.5),
+  as a real kubelet lists none until it has read them from the API server; its device
+  assignments are kept meanwhile (pods survive restart() in memory, as in kubelet's
+  checkpoint).
 - Not simulated: the topology manager (no NUMA hints), init containers and device reuse, the
   5-minute grace before an ended resource's capacity drops to 0, node-status lag, the on-disk
-  checkpoint (pods survive restart() in memory), cpu/memory/DRA in podresources, and the
-  plugin-watcher (pluginregistration) path.
+  checkpoint, cpu/memory/DRA in podresources, and the plugin-watcher (pluginregistration)
+  path.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ KUBELET_SOCKET = "kubelet.sock"
 # the kubelet device managers the simulator can behave as (see "Choices" above)
 KUBELET_VERSIONS = ("1.36", "1.37")
 DEFAULT_KUBELET_VERSION = "1.36"
+# podresources lists no pods this long after a restart (the real kubelet 1.34 and 1.37 of the
+# end-to-end tests: about 0.4 s, until it has read its pods from the API server again)
+DEFAULT_RELIST_AFTER_RESTART_S = 0.5
 CONTROL_SUBDIR = "sim-control"
 CONTROL_SOCKET = "kubelet-control.sock"
 PODRESOURCES_SUBDIR = "pod-resources"
@@ -149,7 +156,8 @@ def _cmd_kubelet(args: argparse.Namespace) -> int:
     from agent.sim._kubelet_server import SimKubelet
 
     sim = SimKubelet(args.dir, podresources_socket=args.podresources_socket,
-                     dial_timeout=args.dial_timeout, kubelet_version=args.kubelet_version)
+                     dial_timeout=args.dial_timeout, kubelet_version=args.kubelet_version,
+                     relist_after_restart=args.relist_after_restart)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -235,6 +243,10 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
                    help="podresources v1 socket (default DIR/pod-resources/kubelet.sock)")
     p.add_argument("--dial-timeout", type=float, default=DEFAULT_DIAL_TIMEOUT,
                    help="seconds Register waits to reach the plugin's socket (kubelet: 10)")
+    p.add_argument("--relist-after-restart", type=float,
+                   default=DEFAULT_RELIST_AFTER_RESTART_S, metavar="SECONDS",
+                   help="podresources lists no pods this long after a restart, as a real "
+                        f"kubelet (default {DEFAULT_RELIST_AFTER_RESTART_S:g})")
     p.add_argument("--kubelet-version", choices=KUBELET_VERSIONS,
                    default=DEFAULT_KUBELET_VERSION,
                    help="handle a second registration of a resource as this kubelet does "

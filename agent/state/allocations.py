@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+from agent.constants import DEFAULT_ENDED_POD_GRACE_S
 from agent.errors import AgentError
 from agent.host import boot_id
 from agent.state.journal import JOURNAL_FILE, Journal
@@ -28,7 +29,8 @@ class AllocationState:
     def __init__(self, state_dir: str, *, keyed_by: str, socket_path: str, period: float,
                  sync_interval: float, connect: Callable[[str], Any],
                  devices: Callable[[], Mapping[str, Sequence[Any]] | None],
-                 environ: Mapping[str, str] | None = None):
+                 environ: Mapping[str, str] | None = None,
+                 ended_grace: float = DEFAULT_ENDED_POD_GRACE_S):
         try:
             boot = boot_id(environ)
         except AgentError as exc:
@@ -37,7 +39,7 @@ class AllocationState:
         self.journal = Journal(os.path.join(state_dir, JOURNAL_FILE), boot=boot,
                                keyed_by=keyed_by, sync_interval=sync_interval)
         self.reconciler = Reconciler(self.journal, socket_path, connect=connect,
-                                     devices=devices, period=period)
+                                     devices=devices, period=period, ended_grace=ended_grace)
 
     @property
     def version(self) -> int:
@@ -52,13 +54,14 @@ class AllocationState:
         self.reconciler.poke()
 
     def reconfigure(self, *, keyed_by: str, socket_path: str, period: float,
-                    sync_interval: float) -> None:
+                    sync_interval: float,
+                    ended_grace: float = DEFAULT_ENDED_POD_GRACE_S) -> None:
         if keyed_by != self.journal.keyed_by:
             log.info("checkpointDeviceIDStrategy is now %s (was %s)", keyed_by,
                      self.journal.keyed_by)
             self.journal.set_keyed_by(keyed_by)
         self.journal.sync_interval = sync_interval
-        self.reconciler.configure(socket_path, period)
+        self.reconciler.configure(socket_path, period, ended_grace)
 
     def close(self) -> None:
         self.reconciler.stop()

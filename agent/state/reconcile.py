@@ -14,8 +14,11 @@ The rules (docs/state.md says them for operators):
 2. Pods (when podresources answered): kubelet lists each container's device IDs per resource.
    Records are matched newest first on resource and the exact set of device IDs; each listed
    container claims at most one record. A matched record gets the pod and `confirmed`.
-3. A record attributed before and not matched now is dropped: its pod ended (or no longer holds
-   those devices). An unattributed record is dropped when it comes from another boot, when
+3. A record attributed before and not matched now is dropped once it has gone unmatched for
+   `ended_grace` seconds (`agent.endedPodGrace`; the listings since then agree): its pod ended (or no
+   longer holds those devices). A restarted kubelet lists its running pods only once it has read
+   them from the API server again (a real kubelet 1.34 and 1.37: about 0.4 s here, longer with a
+   slow API server); one listing without them is no proof. An unattributed record is dropped when it comes from another boot, when
    its devices are now held by another container, or when it stayed unattributed longer than
    `grace` seconds; otherwise it is kept as pending (kubelet lists a container's devices only
    after Allocate has returned).
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from agent.gcpause import paused
@@ -68,6 +71,8 @@ class Outcome:
     rekeyed: tuple[tuple[Record, str], ...]  # kept records whose GPU UUID/index was updated
     pending: int  # kept records no pod has claimed yet
     listed: bool  # podresources answered
+    # kept attributed records their pod's listing lacked: record ID -> since when (rule 3)
+    missing: Mapping[str, float] = field(default_factory=dict)
 
 
 def merge_listing(entries: Iterable[PodDevices]) -> list[PodDevices]:
@@ -121,20 +126,25 @@ def adopted_id(e: PodDevices) -> str:
 def reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None, *,
               devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
               now: float, grace: float = UNATTRIBUTED_GRACE_S,
-              protected: AbstractSet[str] = frozenset()) -> Outcome:
+              protected: AbstractSet[str] = frozenset(), ended_grace: float = 0.0,
+              missing: Mapping[str, float] | None = None) -> Outcome:
     """Apply the rules of this module to `records`. `devices`: the devices advertised now by
     resource (objects with `.id`, `.gpu_uuid` and `.gpu_index`, agent.rm.devices.Device),
     or None when not known yet; `listing`: podresources' answer, or None when it could not
     be had. Records in `protected` (appended after the listing was asked for) are kept as they
     are, and a listed container with one of their device sets is not adopted: a listing older
-    than a record cannot tell its container from the devices' previous holder."""
+    than a record cannot tell its container from the devices' previous holder. `missing` is
+    the previous outcome's (since when each attributed record went unlisted); such a record is
+    dropped once that is `ended_grace` seconds ago (0: at the first listing without it)."""
     with paused():  # records made by the thousand (agent.gcpause)
-        return _reconcile(records, listing, devices, keyed_by, boot, now, grace, protected)
+        return _reconcile(records, listing, devices, keyed_by, boot, now, grace, protected,
+                          ended_grace, missing or {})
 
 
 def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
                devices: Mapping[str, Sequence[Any]] | None, keyed_by: str, boot: str,
-               now: float, grace: float, protected: AbstractSet[str]) -> Outcome:
+               now: float, grace: float, protected: AbstractSet[str], ended_grace: float,
+               missing: Mapping[str, float]) -> Outcome:
     dropped: list[tuple[Record, str]] = []
     rekeyed: list[tuple[Record, str]] = []
     current: list[Record] = []
@@ -162,7 +172,8 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
 
     if listing is None:
         pending = sum(1 for r in current if r.pod is None)
-        return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False)
+        return Outcome(tuple(current), tuple(dropped), (), (), tuple(rekeyed), pending, False,
+                       dict(missing))
 
     merged = merge_listing(listing)
     # resource -> device set -> the unclaimed containers listing exactly it, each with its
@@ -194,6 +205,7 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
     no_sets: dict = {}
     kept: list[Record] = []
     attributed: list[Record] = []
+    unlisted: dict[str, float] = {}
     pending = 0
     live_pods: set[tuple[str, str]] | None = None
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
@@ -220,6 +232,11 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
                 attributed.append(updated)
             continue
         if r.pod is not None:
+            since = missing.get(r.id, now)
+            if now - since < ended_grace:  # one listing without it is no proof (rule 3)
+                unlisted[r.id] = since
+                kept.append(r)
+                continue
             if live_pods is None:  # only a record whose pod is gone needs them
                 live_pods = {e[:2] for e in merged}  # (namespace, name)
             if r.pod[:2] in live_pods:
@@ -265,4 +282,4 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
         kept_ids = {r.id for r in kept}
         rekeyed = [(r, note) for r, note in rekeyed if r.id in kept_ids]
     return Outcome(tuple(kept), tuple(dropped), tuple(attributed), tuple(adopted),
-                   tuple(rekeyed), pending, True)
+                   tuple(rekeyed), pending, True, unlisted)

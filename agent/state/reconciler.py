@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+from agent.constants import DEFAULT_ENDED_POD_GRACE_S
 from agent.errors import PodResourcesError, StateError
 from agent.state.journal import Journal
 from agent.state.reconcile import Outcome, PodDevices, reconcile
@@ -44,6 +45,7 @@ class Reconciler:
     def __init__(self, journal: Journal, socket_path: str, *,
                  connect: Callable[[str], Any],
                  devices: Callable[[], Mapping[str, Sequence[Any]] | None], period: float,
+                 ended_grace: float = DEFAULT_ENDED_POD_GRACE_S,
                  clock: Callable[[], float] = time.time):
         self.journal = journal
         self.connect = connect  # socket path -> a podresources client (list, allocatable)
@@ -70,6 +72,10 @@ class Reconciler:
         self.last_outcome: dict | None = None
         self.last_duration = 0.0  # of the last full pass, in seconds
         self._judged: tuple | None = None  # (devices, keyed_by) the records were last judged by
+        # attributed records the last listing lacked: ID -> since when (agent.state.reconcile
+        # rule 3: dropped once unlisted for ended_grace)
+        self.ended_grace = ended_grace
+        self._missing: Mapping[str, float] = {}
 
     @property
     def socket_path(self) -> str:
@@ -105,13 +111,15 @@ class Reconciler:
                 self._due = at
                 self._cond.notify_all()
 
-    def configure(self, socket_path: str, period: float) -> None:
+    def configure(self, socket_path: str, period: float,
+                  ended_grace: float = DEFAULT_ENDED_POD_GRACE_S) -> None:
         """New settings (SIGHUP): used from the next reconciliation, which runs at once.
         Returns at once, even while a reconciliation waits on kubelet."""
         with self._settings:
             if socket_path != self._socket_path:
                 self._socket_path = self._reconnect = socket_path
             self.period = period
+            self.ended_grace = ended_grace
         self.poke()
 
     def _client(self) -> Any:
@@ -152,6 +160,9 @@ class Reconciler:
                 delay = PENDING_RETRY_S
             else:
                 delay = self.period
+            if outcome is not None and outcome.missing:  # look again when the first is due
+                due = min(outcome.missing.values()) + self.ended_grace - self.clock()
+                delay = max(PENDING_RETRY_S, min(delay, due) if delay else due)
             if delay:
                 self.poke(delay)
 
@@ -208,7 +219,8 @@ class Reconciler:
             records = self.journal.records()
             outcome = reconcile(records, listing, devices=devices, keyed_by=keyed_by,
                                 boot=self.journal.boot, now=self.clock(),
-                                protected=self.journal.fresh())
+                                protected=self.journal.fresh(), ended_grace=self.ended_grace,
+                                missing=self._missing)
             try:
                 self.journal.apply(outcome)
             except StateError as exc:
@@ -229,10 +241,19 @@ class Reconciler:
             for r, why in outcome.dropped:
                 log.info("allocation of %s%s dropped: %s", _devices(r),
                          f" (pod {r.pod})" if r.pod else "", why)
+            if outcome.missing.keys() - self._missing.keys():
+                by_id = {r.id: r for r in records}
+                for rid in outcome.missing.keys() - self._missing.keys():
+                    r = by_id[rid]
+                    log.info("allocation of %s (pod %s) not listed by podresources; dropped "
+                             "if still not listed in %g s", _devices(r), r.pod,
+                             self.ended_grace)
+            self._missing = outcome.missing
             self.last_outcome = {"listed": outcome.listed, "kept": len(outcome.kept),
                                  "attributed": len(outcome.attributed),
                                  "adopted": len(outcome.adopted),
-                                 "dropped": len(outcome.dropped), "pending": outcome.pending}
+                                 "dropped": len(outcome.dropped), "pending": outcome.pending,
+                                 "unlisted": len(outcome.missing)}
             self._judged = (devices, keyed_by) if devices is not None else None
             self.last_duration = time.monotonic() - started
             return outcome

@@ -100,6 +100,11 @@ def test_a_kubelet_restart_keeps_running_pods_and_registers_once(node, how):
     node.wait_running("after")
     _disjoint(node, ["before", "after"])
     assert agent.proc.alive()
+    # the agent kept the running pod's record through the restart (kubelet listed the pod
+    # again only after reading it from the API server): neither dropped nor adopted anew
+    agent.wait_log("attributed to pod default/after")
+    assert "(pod default/before container main) dropped" not in agent.log()
+    assert "to pod default/before container main adopted" not in agent.log()
 
 
 def test_the_agent_killed_and_restarted_keeps_pods_and_admits_new_ones(node):
