@@ -70,6 +70,20 @@ def _wait_state(client, predicate, agent: subprocess.Popen, log: Path, what: str
         time.sleep(0.02)
 
 
+def _wait_listed(socket: Path, pod: str, timeout: float = 20) -> None:
+    """Until kubelet's podresources lists `pod`."""
+    from agent.kubelet.podresources import PodResourcesClient
+
+    client, start = PodResourcesClient(str(socket)), time.monotonic()
+    try:
+        while not any(d.name == pod for d in client.list()):
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"podresources never listed pod {pod} again")
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
 def _registered(count: int):
     def check(state) -> bool:
         r = state.resource(RESOURCE)
@@ -272,6 +286,11 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
                     [[res.name, res.registrations, "open" if res.connected else "closed",
                       res.allocatable,
                       f"GPUs {', '.join(str(by_uuid[d].index) for d in state.pod('trainer').devices(RESOURCE))}"]]))
+        _wait_listed(dp_dir / "pod-resources" / "kubelet.sock", "trainer")
+        print(f"  podresources lists pod trainer again {time.monotonic() - t0:.1f} s after the "
+              f"restart (a real "
+              f"kubelet lists its pods once it has read them from the API server; the agent "
+              f"keeps their records meanwhile: docs/state.md)")
 
         from agent.demo_metrics import run_metrics_step
         from agent.demo_mig import run_mig_step

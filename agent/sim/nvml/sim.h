@@ -472,8 +472,8 @@ nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig
 /* Number GPU `gpu`'s MIG devices' handles (device, GPU instance, compute instance) after its
  * instances changed; the handles of positions past g->nmig become invalid. */
 void sim_set_mig_handles(sim_gpu *g, int gpu);
-/* sim_enter, then find the MIG device whose GPU instance (magic SIM_MAGIC_GI) or compute
- * instance (SIM_MAGIC_CI) handle `h` is; as sim_enter_device otherwise. */
+/* sim_enter_device for any handle: `magic` says its kind, SIM_MAGIC_DEVICE (a device),
+ * SIM_MAGIC_GI or SIM_MAGIC_CI (*mig: the MIG device whose GPU or compute instance it is). */
 nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
                                 sim_mig **mig);
 SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result);

@@ -36,37 +36,6 @@ nvmlReturn_t sim_enter(int out_ok)
 
 void sim_leave(void) { pthread_mutex_unlock(&g_sim_lock); }
 
-/* Find the GPU or MIG device `device` points at, without dereferencing foreign pointers. */
-static nvmlReturn_t lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig)
-{
-    uintptr_t p = (uintptr_t)device, base = (uintptr_t)g_node.gpus;
-    if (!device || p < base || p >= base + sizeof g_node.gpus)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    size_t idx = (p - base) / sizeof(sim_gpu);
-    sim_gpu *g = &g_node.gpus[idx];
-    if ((int)idx >= g_node.ngpus)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *gpu = g;
-    *mig = NULL;
-    if (device == &g->h)
-        return g->h.magic == SIM_MAGIC_DEVICE ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
-    for (int m = 0; m < g->nmig; m++)
-        if (device == &g->migs[m].h) {
-            *mig = &g->migs[m];
-            return g->migs[m].h.magic == SIM_MAGIC_DEVICE ? NVML_SUCCESS
-                                                          : NVML_ERROR_INVALID_ARGUMENT;
-        }
-    return NVML_ERROR_INVALID_ARGUMENT;
-}
-
-nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig)
-{
-    nvmlReturn_t rc = lookup_device(device, gpu, mig);
-    if (rc == NVML_SUCCESS && (*gpu)->lost)
-        return NVML_ERROR_GPU_IS_LOST;
-    return rc;
-}
-
 void sim_set_mig_handles(sim_gpu *g, int gpu)
 {
     for (int m = 0; m < SIM_MAX_MIG; m++) {
@@ -80,10 +49,11 @@ void sim_set_mig_handles(sim_gpu *g, int gpu)
     }
 }
 
-/* The MIG device whose instance handle `h` (of kind `magic`) is, without dereferencing
- * foreign pointers. */
-static nvmlReturn_t lookup_instance(struct sim_handle *h, uint32_t magic, sim_gpu **gpu,
-                                    sim_mig **mig)
+/* Find what handle `h` of kind `magic` points at, without dereferencing foreign pointers: a
+ * GPU or MIG device (SIM_MAGIC_DEVICE; *mig NULL for a full GPU), or the MIG device whose GPU
+ * instance (SIM_MAGIC_GI) or compute instance (SIM_MAGIC_CI) it is. */
+static nvmlReturn_t lookup_handle(const struct sim_handle *h, uint32_t magic, sim_gpu **gpu,
+                                  sim_mig **mig)
 {
     uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_node.gpus;
     if (!h || p < base || p >= base + sizeof g_node.gpus)
@@ -92,16 +62,28 @@ static nvmlReturn_t lookup_instance(struct sim_handle *h, uint32_t magic, sim_gp
     sim_gpu *g = &g_node.gpus[idx];
     if ((int)idx >= g_node.ngpus)
         return NVML_ERROR_INVALID_ARGUMENT;
+    *gpu = g;
+    *mig = NULL;
+    if (magic == SIM_MAGIC_DEVICE && h == &g->h)
+        return g->h.magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
     for (int m = 0; m < g->nmig; m++) {
-        sim_mig *candidate = &g->migs[m];
-        struct sim_handle *own = magic == SIM_MAGIC_GI ? &candidate->gi_h : &candidate->ci_h;
-        if (h == own && own->magic == magic) {
-            *gpu = g;
-            *mig = candidate;
-            return g->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+        sim_mig *c = &g->migs[m];
+        const struct sim_handle *own = magic == SIM_MAGIC_DEVICE ? &c->h
+                                       : magic == SIM_MAGIC_GI ? &c->gi_h : &c->ci_h;
+        if (h == own) {
+            *mig = c;
+            return own->magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
         }
     }
     return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig)
+{
+    nvmlReturn_t rc = lookup_handle(device, SIM_MAGIC_DEVICE, gpu, mig);
+    if (rc == NVML_SUCCESS && (*gpu)->lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    return rc;
 }
 
 nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
@@ -111,7 +93,9 @@ nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok
         nvmlReturn_t rc = sim_enter(1);
         if (rc)
             return rc;
-        rc = lookup_instance(h, magic, gpu, mig);
+        rc = lookup_handle(h, magic, gpu, mig);
+        if (rc == NVML_SUCCESS && (*gpu)->lost)
+            rc = NVML_ERROR_GPU_IS_LOST;
         if (rc == NVML_SUCCESS && !out_ok)
             rc = NVML_ERROR_INVALID_ARGUMENT;
         if (rc) {
@@ -125,20 +109,7 @@ nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok
 
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, int out_ok, sim_gpu **gpu, sim_mig **mig)
 {
-    for (;;) {
-        nvmlReturn_t rc = sim_enter(1);
-        if (rc)
-            return rc;
-        rc = sim_lookup_device(device, gpu, mig);
-        if (rc == NVML_SUCCESS && !out_ok)
-            rc = NVML_ERROR_INVALID_ARGUMENT;
-        if (rc) {
-            sim_leave();
-            return rc;
-        }
-        if (!sim_hang_wait(*gpu))
-            return NVML_SUCCESS;
-    }
+    return sim_enter_instance(device, SIM_MAGIC_DEVICE, out_ok, gpu, mig);
 }
 
 unsigned long long sim_now_ns(void)
