@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 from bench import Section, percentile
-from tests.e2e.cluster import ROOT, Cluster, Process, _profile_path, versions
+from tests.e2e.cluster import Cluster, versions
 from tests.e2e.conftest import E2ENode
 
 PODS = 20
@@ -69,11 +68,7 @@ def run() -> Section:
         floor = _series(node, "nogpu", None)
         node.agents[-1].proc.stop(signal.SIGTERM)
         node.wait_allocatable(0, node_object=False)
-        other = Process("other-plugin", [
-            sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
-            cluster.kubelet_socket, "--profile", str(_profile_path("dgx1-v100")),
-            "--dev-root", cluster.driver_tree("dgx1-v100")], cluster.logs, cwd=str(ROOT))
-        cluster.procs["other-plugin"] = other
+        node.other_plugin()
         node.wait_allocatable(8)
         minimal = _series(node, "minimal", {GPU: 1})
         node.cleanup()

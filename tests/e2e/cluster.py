@@ -135,7 +135,8 @@ class Process:
         return self.proc.wait(30)
 
 
-def _profile_path(profile: str) -> Path:
+def profile_path(profile: str) -> Path:
+    """The shipped profile `profile` as a path (what a copy of the simulated NVML needs)."""
     from agent.sim import PROFILES_DIR
 
     return PROFILES_DIR / f"{profile}.yaml"
@@ -447,7 +448,7 @@ state = "{self.path('containerd', 'state')}"
 
         root = self.path("driver", profile)
         if not os.path.isdir(root):
-            build(root, str(_profile_path(profile)), node_kind="char",
+            build(root, str(profile_path(profile)), node_kind="char",
                   containerd=None, toolkit=False, cdi_spec=False, driver_libraries=True)
         libdir = os.path.join(root, "usr", "lib", "x86_64-linux-gnu")
         # nvidia-ctk reads the MIG capability minors of each MIG device from the host's
@@ -463,7 +464,7 @@ state = "{self.path('containerd', 'state')}"
             "--dev-root", root, "--nvidia-cdi-hook-path", self.tool("nvidia-cdi-hook"),
             "--output", os.path.join(self.cdi_dir, "nvidia.yaml")],
             env={**os.environ, "LD_LIBRARY_PATH": libdir,
-                 "GPU_AGENT_SIM_PROFILE": str(_profile_path(profile))},
+                 "GPU_AGENT_SIM_PROFILE": str(profile_path(profile))},
             capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise ClusterError(f"nvidia-ctk cdi generate failed:\n{out.stderr[-4000:]}")
@@ -481,7 +482,7 @@ state = "{self.path('containerd', 'state')}"
         os.makedirs(ctl, exist_ok=True)
         from tests.daemon_harness import clean_env
 
-        environ = clean_env(GPU_AGENT_SIM_PROFILE=str(_profile_path(profile)),
+        environ = clean_env(GPU_AGENT_SIM_PROFILE=str(profile_path(profile)),
                             GPU_AGENT_SIM_CONTROL=ctl,
                             GPU_AGENT_MIG_MINORS_FILE=os.path.join(
                                 root, "proc", "driver", "nvidia-caps", "mig-minors"),

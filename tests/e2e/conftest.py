@@ -14,13 +14,14 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
 from tests.e2e import images
-from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, versions
+from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, Process, profile_path, versions
 from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
 
 GPU = "nvidia.com/gpu"
@@ -85,22 +86,40 @@ PROBE = ("for f in /dev/nvidia*; do echo node ${f#/dev/}; done; "
 
 
 class E2ENode:
-    """The cluster's one node, as a test uses it."""
+    """The cluster's one node, as a test uses it. Each test's agents have a state directory
+    and log of their own (an agent started again in the same test keeps them)."""
+
+    made = 0
 
     def __init__(self, cluster: Cluster, results: dict):
+        E2ENode.made += 1
+        self.tag = E2ENode.made
         self.cluster = cluster
         self.api = cluster.api
         self.results = results
         self.agents: list[Agent] = []
+        self.plugins: list[Process] = []  # other plugins a test started
         self.pods: list[str] = []
 
     # -- the agent -----------------------------------------------------------------------
 
     def agent(self, profile: str = "dgx1-v100", *args: str, config: str | None = None,
               name: str = "gpu-agent", env: dict | None = None) -> Agent:
-        agent = self.cluster.start_agent(profile, *args, name=name, config=config, env=env)
+        agent = self.cluster.start_agent(profile, *args, name=f"{name}-{self.tag}",
+                                         config=config, env=env)
         self.agents.append(agent)
         return agent
+
+    def other_plugin(self) -> Process:
+        """tests/e2e/other_plugin.py serving nvidia.com/gpu on the dgx1-v100 node (the
+        stand-in for NVIDIA's DaemonSet); stopped at the end of the test."""
+        cluster = self.cluster
+        proc = Process("other-plugin", [
+            sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
+            cluster.kubelet_socket, "--profile", str(profile_path("dgx1-v100")),
+            "--dev-root", cluster.driver_tree("dgx1-v100")], cluster.logs, cwd=str(ROOT))
+        self.plugins.append(proc)
+        return proc
 
     def config(self, text: str, name: str = "config.yaml") -> str:
         return self.cluster.write(name, text)
@@ -271,9 +290,9 @@ class E2ENode:
             self.delete_pods()
         except (ApiError, TimeoutError, OSError) as exc:
             print(f"cleanup: pods not deleted: {exc}")
-        for agent in self.agents:
-            if agent.proc.alive():
-                agent.proc.stop(signal.SIGTERM)
+        for proc in [a.proc for a in self.agents] + self.plugins:
+            if proc.alive():
+                proc.stop(signal.SIGTERM)
         if not self.cluster.procs.get("kubelet") or not self.cluster.procs["kubelet"].alive():
             self.cluster.start_kubelet()
             self.cluster.wait_node_ready()

@@ -19,13 +19,11 @@ GPU UUIDs under both plugins) and new pods are admitted on the GPUs no running p
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 import urllib.request
 
 from agent.errors import PodResourcesError
-from tests.e2e.cluster import ROOT, Process, _profile_path
 from tests.e2e.conftest import GPU, POLL, write_result
 
 
@@ -39,19 +37,9 @@ def _healthy_samples(node, stop: threading.Event, samples: list[tuple[float, int
         stop.wait(POLL)
 
 
-def _other_plugin(node) -> Process:
-    cluster = node.cluster
-    proc = Process("other-plugin", [
-        sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
-        cluster.kubelet_socket, "--profile", str(_profile_path("dgx1-v100")),
-        "--dev-root", cluster.driver_tree("dgx1-v100")], cluster.logs, cwd=str(ROOT))
-    cluster.procs["other-plugin"] = proc
-    return proc
-
-
 def test_switching_from_another_plugin_keeps_running_pods_and_admits_new_ones(node):
     cluster = node.cluster
-    old = _other_plugin(node)
+    old = node.other_plugin()
     node.wait_allocatable(8)
     for name in ("old-a", "old-b"):
         node.create_pod(name, {GPU: 2})
@@ -121,7 +109,7 @@ def test_rolling_back_stop_gpu_agent_first_then_start_the_other_plugin(node):
 
     assert agent.proc.stop(signal.SIGTERM) == 0
     node.wait_allocatable(0, node_object=False)  # kubelet saw gpu-agent's stream end
-    _other_plugin(node)
+    node.other_plugin()
     node.wait_allocatable(8)
     node.create_pod("after-rollback", {GPU: 2})
     node.wait_running("after-rollback")
