@@ -20,8 +20,8 @@ APT_E2E   := runc busybox-static containernetworking-plugins openssl
 # kubernetes-v*); CI runs the newest: `make e2e E2E_K8S=<newest>`.
 E2E_K8S   ?= $(shell ls tests/e2e/components | sed -n 's/^kubernetes-v//p' | sort -rV)
 
-.PHONY: all venv build test test-under-load lint demo proto bench soak clean rpm rpm-tools \
-        e2e e2e-build e2e-cluster
+.PHONY: all venv build test test-under-load test-pythons lint demo proto bench soak clean rpm \
+        rpm-tools e2e e2e-build e2e-cluster
 
 all: build
 
@@ -62,6 +62,25 @@ test-under-load: build lint rpm-tools
 	  start=$$(date +%s); $(VPY) -m pytest -q -p no:cacheprovider || exit 1; \
 	  echo "run $$run of $(RUNS) under stress-ng --cpu 2: passed in $$(( $$(date +%s) - start )) s"; \
 	done
+
+# `make test` on each supported CPython found here (scripts/find-pythons: python3.X on PATH,
+# else pyenv's), each in a venv of its own (.venv-3.X, its log in .venv-3.X/test.log), then one
+# line per version. PYTHONS="3.9 3.13" runs those only (each must be found).
+PYTHONS ?=
+test-pythons:
+	@scripts/find-pythons $(PYTHONS) > .pythons-found || { rm -f .pythons-found; exit 1; }; \
+	status=0; lines=""; \
+	while read -r v py; do \
+	  start=$$(date +%s); mkdir -p .venv-$$v; \
+	  echo "Python $$v ($$py): make test VENV=.venv-$$v ..."; \
+	  if $(MAKE) --no-print-directory test PYTHON=$$py VENV=.venv-$$v \
+	      > .venv-$$v/test.log 2>&1 < /dev/null; then result=passed; \
+	  else result=FAILED; status=1; tail -n 40 .venv-$$v/test.log; fi; \
+	  counts=$$(grep -E "[0-9]+ (passed|failed)" .venv-$$v/test.log | tail -n 1 | tr -d '='); \
+	  lines="$$lines$$(printf '\nPython %s: %s in %s s (%s)' $$v $$result \
+	    $$(( $$(date +%s) - start )) "$$counts")"; \
+	done < .pythons-found; rm -f .pythons-found; \
+	echo "$$lines"; exit $$status
 
 demo: build
 	$(VPY) -m agent demo

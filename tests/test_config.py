@@ -480,13 +480,15 @@ def test_a_file_that_is_not_text_is_refused(tmp_path):
 
 
 def test_a_file_without_read_permission_is_refused():
-    """Root reads any file, so as root the check runs as user nobody (setpriv), in a
-    directory anyone may enter: only the file's own mode stands in the way."""
+    """Root reads any file through its capabilities to override file permissions, so as root
+    the check runs without them (setpriv drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from
+    the bounding set): still root, so the interpreter and the checkout are readable wherever
+    they live (a 0700 home, pyenv's libpython), and only the file's own mode (0) stands in
+    the way, as for the agent's unit run as any user without those capabilities."""
     with tempfile.TemporaryDirectory(prefix="gacfg") as tmp:
-        os.chmod(tmp, 0o755)
         path = Path(write(Path(tmp), v1()))
         path.chmod(0)
-        drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
         cmd = (drop if os.geteuid() == 0 else []) + gpu_agent_cmd("config", "check", str(path))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
