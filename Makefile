@@ -120,7 +120,8 @@ e2e: build e2e-build
 	  echo "e2e on Kubernetes $$v: passed in $$(( $$(date +%s) - start )) s"; \
 	done
 
-# The cluster alone, kept until Ctrl-C, for trying things by hand (docs/e2e.md).
+# The cluster with gpu-agent on a simulated node, kept until Ctrl-C, for trying things by
+# hand (docs/e2e.md; `python -m tests.e2e.cluster --help`).
 e2e-cluster: build e2e-build
 	@scripts/apt-install $(APT_E2E)
 	$(VPY) -m tests.e2e.cluster up --k8s $(firstword $(E2E_K8S))

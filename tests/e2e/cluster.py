@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -579,22 +580,37 @@ state = "{self.path('containerd', 'state')}"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.e2e.cluster",
-        description="Start the end-to-end cluster and keep it until interrupted (docs/e2e.md).")
+        description="Start the end-to-end cluster, with gpu-agent on a simulated node, and keep "
+                    "it until interrupted (docs/e2e.md).")
     parser.add_argument("command", choices=("up",))
     parser.add_argument("--k8s", default=None, help=f"Kubernetes version (one of "
                         f"{', '.join(versions())}; default the newest)")
+    parser.add_argument("--profile", default="dgx1-v100",
+                        help="the simulated node gpu-agent runs on (default dgx1-v100)")
+    parser.add_argument("--no-agent", action="store_true", help="start no gpu-agent")
+    parser.add_argument("agent_args", nargs="*", metavar="-- AGENT-ARG",
+                        help="more `gpu-agent run` arguments (after --)")
     args = parser.parse_args(argv)
     cluster = Cluster(args.k8s or versions()[0], keep=True)
     try:
         cluster.start()
         print(cluster.describe(), flush=True)
+        if not args.no_agent:
+            agent = cluster.start_agent(args.profile, *args.agent_args)
+            print(f"  gpu-agent on {args.profile}: pid {agent.proc.pid}, log "
+                  f"{agent.proc.log_path}, state {agent.state}, simulated NVML control "
+                  f"{agent.control} (gpu-agent sim inject-xid --control-dir ...)", flush=True)
         print("Ctrl-C stops it.", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        # handlers, not a blocked mask: the components inherit a process's signal mask
+        stopped = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stopped.set())
+        while not stopped.wait(1.0):
+            pass
     finally:
         cluster.stop()
     return 0
 
 
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     sys.exit(main())
