@@ -95,6 +95,10 @@ def setup(level: int, background: bool = False) -> Callable[[], None]:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
+    # Python 3.12+ asks asyncio for the current task's name on every record when asyncio is
+    # in sys.modules: agent.deferred's stand-in is, and the question would load the real
+    # asyncio (with ssl and OpenSSL) that the agent never uses. It runs no tasks.
+    logging.logAsyncioTasks = False
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
