@@ -3,9 +3,8 @@
 Owns: timing what an operator waits for when a GPU pod starts, through the real API server,
 scheduler, kubelet and containerd (`make e2e`'s cluster, the newest pinned Kubernetes): from the
 pod's creation to the watch showing its container ready, for pods asking for one GPU served by
-gpu-agent, by the minimal plugin tests/e2e/other_plugin.py (the stand-in for NVIDIA's, whose
-module the Go proxy does not serve: a plugin with no journal, no health checks and no
-preference), and for pods asking for no GPU (what the cluster costs without any plugin).
+gpu-agent, by NVIDIA's k8s-device-plugin (built by scripts/e2e-build, on the same simulated
+NVML), and for pods asking for no GPU (what the cluster costs without any plugin).
 Figures only; tests/e2e asserts behaviour.
 """
 
@@ -16,10 +15,11 @@ import signal
 import time
 
 from bench import Section, percentile
-from tests.e2e.cluster import Cluster, versions
+from tests.e2e.cluster import Cluster, pinned, versions
 from tests.e2e.conftest import E2ENode
 
 PODS = 20
+NVIDIA_VERSION = pinned("k8s-device-plugin", "github.com/NVIDIA/k8s-device-plugin")
 GPU = "nvidia.com/gpu"
 
 
@@ -68,20 +68,20 @@ def run() -> Section:
         floor = _series(node, "nogpu", None)
         node.agents[-1].proc.stop(signal.SIGTERM)
         node.wait_allocatable(0, node_object=False)
-        node.other_plugin()
+        node.nvidia_plugin()
         node.wait_allocatable(8)
-        minimal = _series(node, "minimal", {GPU: 1})
+        nvidia = _series(node, "nvidia", {GPU: 1})
         node.cleanup()
     finally:
         cluster.stop()
     base = percentile(floor, 50)
     section.rows.append(_row("no plugin (the pod asks for no GPU)", floor, base))
     section.rows.append(_row("gpu-agent", agent, base))
-    section.rows.append(_row("a minimal plugin (tests/e2e/other_plugin.py)", minimal, base))
+    section.rows.append(_row(f"NVIDIA's k8s-device-plugin {NVIDIA_VERSION}", nvidia, base))
     section.notes.append(
-        "NVIDIA's k8s-device-plugin v0.20.0 is not in this table: the Go module proxy refuses "
-        "github.com/NVIDIA/k8s-device-plugin (403 for every version), so it cannot be built "
-        "here. The minimal plugin answers Allocate with the environment and device nodes "
-        "NVIDIA's envvar strategy gives, from memory; what gpu-agent adds beyond it (the journal "
-        "record before the answer, GetPreferredAllocation) shows in its row.")
+        f"NVIDIA's plugin is {NVIDIA_VERSION}, the newest the Go module proxy serves (v0.20.0 "
+        "is refused), configured as gpu-agent is here: the envvar strategy with "
+        "passDeviceSpecs, UUIDs. Kubelet asks both for a preferred allocation before "
+        "Allocate; gpu-agent's row includes its journal record written before each Allocate "
+        "answer.")
     return section

@@ -72,7 +72,7 @@ def test_dropped_by_kubelet_when_a_plugin_it_replaced_stops_the_agent_registers_
     # must register again, or the node keeps 0 allocatable GPUs until kubelet restarts.
     env = node.env()
     old = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
+        [sys.executable, "-m", "tests.second_plugin", "--kubelet-socket",
          node.kubelet_socket, "--profile", str(PROFILES_DIR / "dgx1-v100.yaml"),
          "--dev-root", node.root], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,9 +1,9 @@
 """A one-node Kubernetes cluster on this machine, made of the real components that
 scripts/e2e-build builds from their Go modules: etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler, containerd (CRI, CDI on, the native snapshotter) with Debian's runc, and kubelet
-registered as a Node; beside it, `gpu-agent run` as a plain process on the simulated NVML and a
-simulated driver tree whose /dev/nvidia* are real character devices. Only NVML and the driver
-are simulated.
+registered as a Node; beside it, `gpu-agent run` (or NVIDIA's k8s-device-plugin) as a plain
+process on the simulated NVML and a simulated driver tree whose /dev/nvidia* are real character
+devices. Only NVML and the driver are simulated.
 
 Owns: starting and stopping those processes (each in its own session, its output in
 DIR/logs/NAME.log), their configuration files, the node's driver trees and CDI spec (written by
@@ -62,6 +62,15 @@ def versions() -> list[str]:
     """The Kubernetes versions pinned under tests/e2e/components, newest first."""
     found = [d.name.removeprefix("kubernetes-v") for d in COMPONENTS.glob("kubernetes-v*")]
     return sorted(found, key=lambda v: tuple(int(p) for p in v.split(".")), reverse=True)
+
+
+def pinned(component: str, module: str) -> str:
+    """The version of `module` that tests/e2e/components/<component>/go.mod requires."""
+    for line in (COMPONENTS / component / "go.mod").read_text().splitlines():
+        words = line.split()
+        if module in words:
+            return words[words.index(module) + 1]
+    raise ClusterError(f"{module} is not required in {COMPONENTS / component / 'go.mod'}")
 
 
 def free_port() -> int:
@@ -227,7 +236,8 @@ class Cluster:
 
     def start(self) -> Cluster:
         for name in ("kubelet", "kube-apiserver", "kube-scheduler", "kube-controller-manager",
-                     "etcd", "containerd", "containerd-shim-runc-v2", "crictl", "nvidia-ctk"):
+                     "etcd", "containerd", "containerd-shim-runc-v2", "crictl", "nvidia-ctk",
+                     "nvidia-device-plugin"):
             self.tool(name)
         for cmd, package in (("runc", "runc"), ("openssl", "openssl"),
                              (images.BUSYBOX_BINARY, "busybox-static")):
@@ -500,6 +510,28 @@ state = "{self.path('containerd', 'state')}"
                       state=state, control=ctl, root=root)
         self.procs[name] = agent.proc
         return agent
+
+    def start_nvidia_plugin(self, profile: str = "dgx1-v100", config: str = "",
+                            name: str = "nvidia-device-plugin") -> Process:
+        """NVIDIA's k8s-device-plugin (the module scripts/e2e-build pins) as its DaemonSet's
+        container would run it on this node, but as a plain process: the simulated NVML of
+        `profile` found through LD_LIBRARY_PATH (go-nvml opens libnvidia-ml.so.1), the same
+        driver tree and control directory as gpu-agent's on that profile, kubelet's real
+        socket, and `config` (a `version: v1` file's text; empty: its defaults)."""
+        root = self.driver_tree(profile)
+        ctl = self.path(f"simctl-{profile}")
+        os.makedirs(ctl, exist_ok=True)
+        argv = [self.tool("nvidia-device-plugin"), "--kubelet-socket", self.kubelet_socket,
+                "--driver-root", root, "--dev-root", root]
+        if config:
+            argv += ["--config-file", self.write(f"{name}.yaml", config)]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+               "LD_LIBRARY_PATH": os.path.join(root, "usr", "lib", "x86_64-linux-gnu"),
+               "GPU_AGENT_SIM_PROFILE": str(profile_path(profile)),
+               "GPU_AGENT_SIM_CONTROL": ctl}
+        proc = Process(name, argv, self.logs, env=env)
+        self.procs[name] = proc
+        return proc
 
     def write(self, name: str, text: str) -> str:
         path = self.path(name)

@@ -14,14 +14,13 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
 from tests.e2e import images
-from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, Process, profile_path, versions
+from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, Process, versions
 from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
 
 GPU = "nvidia.com/gpu"
@@ -30,6 +29,17 @@ RESULTS = ROOT / ".e2e" / "results"
 # how often kubelet's podresources is polled where no watch exists: under its rate limit
 # (100 calls a second), and the resolution of the times measured that way
 POLL = 0.02
+# NVIDIA's plugin as its DaemonSet is commonly configured on a node without the NVIDIA runtime:
+# the device list in NVIDIA_VISIBLE_DEVICES and the device nodes in the Allocate answer
+# (gpu-agent's `--pass-device-specs` gives the same)
+NVIDIA_CONFIG = """version: v1
+flags:
+  migStrategy: none
+  plugin:
+    passDeviceSpecs: true
+    deviceListStrategy: envvar
+    deviceIDStrategy: uuid
+"""
 
 
 def pytest_addoption(parser):
@@ -110,14 +120,10 @@ class E2ENode:
         self.agents.append(agent)
         return agent
 
-    def other_plugin(self) -> Process:
-        """tests/e2e/other_plugin.py serving nvidia.com/gpu on the dgx1-v100 node (the
-        stand-in for NVIDIA's DaemonSet); stopped at the end of the test."""
-        cluster = self.cluster
-        proc = Process("other-plugin", [
-            sys.executable, "-m", "tests.e2e.other_plugin", "--kubelet-socket",
-            cluster.kubelet_socket, "--profile", str(profile_path("dgx1-v100")),
-            "--dev-root", cluster.driver_tree("dgx1-v100")], cluster.logs, cwd=str(ROOT))
+    def nvidia_plugin(self, profile: str = "dgx1-v100", config: str = NVIDIA_CONFIG) -> Process:
+        """NVIDIA's k8s-device-plugin serving `profile`'s GPUs (the envvar strategy with
+        passDeviceSpecs unless `config` says otherwise); stopped at the end of the test."""
+        proc = self.cluster.start_nvidia_plugin(profile, config, name=f"nvidia-plugin-{self.tag}")
         self.plugins.append(proc)
         return proc
 

@@ -1,16 +1,16 @@
-"""Another device plugin serving `nvidia.com/gpu`, standing in for NVIDIA's k8s-device-plugin
-DaemonSet in the migration case (tests/e2e/test_migration.py) because the Go module proxy
-refuses NVIDIA's module (github.com/NVIDIA/k8s-device-plugin: 403, every version), so it
-cannot be built here.
+"""A second device plugin serving `nvidia.com/gpu`, for the fast tests of a switch from
+NVIDIA's plugin (tests/test_daemon_lifecycle.py). NVIDIA's real plugin runs in tests/e2e
+(tests/e2e/test_migration.py); it cannot run against the simulated kubelet, because it
+puts its socket in kubelet's fixed directory (/var/lib/kubelet/device-plugins).
 
-What it shares with NVIDIA's v0.20.0, which is what kubelet sees of a plugin: its socket
-(`nvidia-gpu.sock` beside kubelet.sock), the resource, the device IDs (GPU UUIDs, all Healthy),
-no GetPreferredAllocation, registration once at start, and an Allocate answer of
+What it shares with NVIDIA's plugin, which is what kubelet sees of a plugin during a switch:
+its socket name (`nvidia-gpu.sock` beside kubelet.sock), the resource, the device IDs (GPU
+UUIDs, all Healthy), registration once at start, and an Allocate answer of
 NVIDIA_VISIBLE_DEVICES=<UUIDs> with the device nodes (NVIDIA's envvar strategy with
-passDeviceSpecs). It has no health checks, MIG or sharing. It exits on SIGTERM as the
-DaemonSet's pod does, its socket removed.
+passDeviceSpecs). It has no GetPreferredAllocation, health checks, MIG or sharing. It exits on SIGTERM, its socket
+removed.
 
-Run: `python -m tests.e2e.other_plugin --kubelet-socket PATH --profile PROFILE --dev-root DIR`.
+Run: `python -m tests.second_plugin --kubelet-socket PATH --profile PROFILE --dev-root DIR`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Plugin(dp_grpc.DevicePluginServicer):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.e2e.other_plugin")
+    parser = argparse.ArgumentParser(prog="python -m tests.second_plugin")
     parser.add_argument("--kubelet-socket", required=True)
     parser.add_argument("--profile", required=True, help="node profile (a .yaml path)")
     parser.add_argument("--dev-root", required=True)
