@@ -228,6 +228,10 @@ SCHEMA: dict = {
         "migCheckInterval": OPTION,
         "nvmlCallTimeout": OPTION,
         "allocationPolicy": OPTION,
+        "kubeconfig": OPTION,
+        "nodeName": OPTION,
+        "faultEvents": OPTION,
+        "nodeCondition": OPTION,
         "health": {
             "disableHealthchecks": OPTION,
             "enableHealthchecks": OPTION,

@@ -231,6 +231,23 @@ class TextKind(Kind):
         return value
 
 
+class NodeNameKind(Kind):
+    """A Kubernetes node name (a DNS subdomain: lowercase letters, digits, '-' and '.', at
+    most 253 characters), or "" for the host name as kubelet takes it by default."""
+
+    metavar = "NAME"
+    text_form = "node name, empty for the host name"
+
+    def check(self, value: str) -> str:
+        if value and (len(value) > 253 or not _NODE_NAME.fullmatch(value)):
+            raise InvalidValue(f"{value!r} is not a node name (lowercase letters, digits, '-' "
+                               f"and '.', starting and ending with a letter or digit)")
+        return value
+
+
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 class ListenAddressKind(Kind):
     """`[HOST]:PORT` to listen on (no host: every address; IPv6 in brackets; port 0: one the
     kernel picks, which `gpu-agent status` shows), or "" for off."""

@@ -20,6 +20,7 @@ from agent._config_kinds import (
     IntervalKind,
     Kind,
     ListenAddressKind,
+    NodeNameKind,
     NvmlLibraryKind,
     PathKind,
     PathListKind,
@@ -29,6 +30,7 @@ from agent._config_kinds import (
 )
 from agent.constants import (
     ALLOCATION_POLICIES,
+    CONDITION_TYPE,
     DEFAULT_ALLOCATION_POLICY,
     DEFAULT_CDI_ANNOTATION_PREFIX,
     DEFAULT_CDI_SPEC_DIRS,
@@ -39,6 +41,7 @@ from agent.constants import (
     DEFAULT_ENDED_POD_GRACE_S,
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
+    DEFAULT_KUBECONFIG,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_METRICS_ADDRESS,
     DEFAULT_MIG_CHECK_INTERVAL_S,
@@ -286,6 +289,31 @@ OPTIONS: tuple[Option, ...] = (
         DEFAULT_NFD_FEATURES_FILE,
         "the node-feature-discovery features.d file the agent keeps with gpu-feature-discovery's "
         "labels (written when the GPUs, MIG layout or sharing change); empty: none",
+    ),
+    Option(
+        "kubeconfig", "--kubeconfig", "GPU_AGENT_KUBECONFIG", "agent.kubeconfig",
+        PathKind(empty="no Kubernetes API: no events, no node condition"), DEFAULT_KUBECONFIG,
+        "the kubeconfig the agent reaches the Kubernetes API server with, for the fault events "
+        "and the node condition (the kubelet's own by default; a file that is not there yet is "
+        "looked for again every 10 s); empty: no API",
+    ),
+    Option(
+        "node_name", "--node-name", "NODE_NAME", "agent.nodeName", NodeNameKind(), "",
+        "this node's name in Kubernetes (NVIDIA's plugin and gpu-feature-discovery read "
+        "NODE_NAME too); empty: the host name, lowercased, as kubelet takes it by default",
+        default_text="the host name",
+    ),
+    Option(
+        "fault_events", "--fault-events", "GPU_AGENT_FAULT_EVENTS", "agent.faultEvents",
+        BoolKind(), True,
+        "post Kubernetes Events when a GPU is withdrawn or returns: on the Node, and on each "
+        "pod holding the GPU at that moment",
+    ),
+    Option(
+        "node_condition", "--node-condition", "GPU_AGENT_NODE_CONDITION", "agent.nodeCondition",
+        BoolKind(), True,
+        f"keep the Node condition {CONDITION_TYPE}: False naming the GPUs withdrawn and why, "
+        "True when all are in",
     ),
 )
 

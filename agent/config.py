@@ -104,6 +104,10 @@ class Config(NamedTuple):
     dev_char_symlinks: bool  # create missing /dev/char links of the NVIDIA nodes (agent.devchar)
     metrics_address: str  # [host]:port of /metrics (agent.metrics); "": none
     nfd_features_file: str  # NFD features.d file (agent.rm.labels); "": none
+    kubeconfig: str  # the Kubernetes API's kubeconfig (agent.kubeapi); "": no API
+    node_name: str  # this node's name in Kubernetes; "": the host name
+    fault_events: bool  # Events on the Node and the holding pods when a GPU flips
+    node_condition: bool  # the Node condition GPUHealthy
     resources: Resources
     sharing: Sharing
     imex: Imex

@@ -104,3 +104,13 @@ DEFAULT_METRICS_ADDRESS = ":9445"
 TELEMETRY_BUDGET_S = 0.5
 # NFD's local feature source: node labels with gpu-feature-discovery's names (agent.rm.labels).
 DEFAULT_NFD_FEATURES_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
+
+# -- the Kubernetes API (agent.kubeapi: fault events and the node condition) -------------------
+# The kubeconfig the agent reaches the API server with: the kubelet's own by default (kubeadm
+# writes it there; its identity, system:node:<node>, may create events and patch its own
+# Node's status). Empty: no API, so no events and no condition.
+DEFAULT_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
+# What the agent signs its events with (source.component, reportingComponent).
+EVENT_COMPONENT = "gpu-agent"
+# The Node condition the agent keeps: False while a GPU is withdrawn, True when all are in.
+CONDITION_TYPE = "GPUHealthy"

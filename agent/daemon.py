@@ -39,6 +39,8 @@ LOOP_TICK_S = 1.0
 FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
 # The settings the health monitor is built from: a reload that changes none of them (and not
 # the devices) keeps the running monitor.
+# The settings of the Kubernetes events and condition: a reload that changes one restarts them.
+FAULT_SETTINGS = ("kubeconfig", "node_name", "fault_events", "node_condition")
 HEALTH_SETTINGS = ("disable_healthchecks", "enable_healthchecks", "xid_policy", "xid_actions",
                    "recovery_quiet_period", "unhealthy_devices_file", "state_dir")
 
@@ -62,6 +64,7 @@ class Daemon:
         self.registrar: Registrar | None = None
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
         self.services = Services(self, on_change=self._wake)  # /dev/char, metrics, labels
+        self.faults: Any = None  # events and the node condition, agent.kubeapi.faults
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -87,6 +90,7 @@ class Daemon:
             self._bring_up(first=True)  # registered as early as can be ...
             self._start_state()  # ... the journal loads meanwhile (Allocate waits for it)
             self.services.start(self.cfg)
+            self._start_faults()
             self._watchdog_at = time.monotonic() if self.notifier.watchdog_interval else None
             gcpause.resume()  # off since agent.__main__: the start keeps nearly all it makes
             self._loop()
@@ -157,10 +161,67 @@ class Daemon:
         old, self.health = self.health, monitor_from_config(
             self.cfg, library_path=self.nvml.path, gpus=self.resources.gpus,
             devices=self.resources.devices, sink=self.resources.set_health,
-            on_change=self._wake, current=self.resources.health(), outages=self.mps.outages)
+            on_change=self._wake, current=self.resources.health(), outages=self.mps.outages,
+            on_transition=self._on_transition, holders=self.held_by)
         self.health.start()  # its event set is registered before the old one stops
         if old is not None:
             old.stop(wait=False)
+        if self.faults is not None:
+            self.faults.refresh()
+
+    def _on_transition(self, record: dict) -> None:
+        """From the health thread: a GPU withdrawn or back; queued for the events."""
+        faults = self.faults
+        if faults is not None:
+            faults.notify(record)
+
+    def held_by(self, ids: list[str]) -> list[str]:
+        """namespace/pod/container of the containers holding any of device `ids`, as the
+        allocation journal has them attributed (memory only: no call to kubelet)."""
+        if self.state is None:
+            return []
+        wanted = set(ids)
+        return sorted({"/".join(r.pod) for r in self.state.journal.records()
+                       if r.pod is not None and wanted.intersection(r.devices)})
+
+    # -- the Kubernetes API: fault events and the node condition ------------------------------
+
+    def _start_faults(self, replay: bool = True) -> None:
+        """Start reporting faults to the API server when a kubeconfig is set and events or
+        the condition are on (its thread loads the client: nothing here waits on the API).
+        `replay`: at start, what the health monitor saw before (faults cleared by a reboot,
+        an XID during the start) is reported too."""
+        cfg = self.cfg
+        if not cfg.kubeconfig or not (cfg.fault_events or cfg.node_condition):
+            log.info("Kubernetes events and the node condition are off (%s)",
+                     "no kubeconfig" if not cfg.kubeconfig else "both turned off")
+            return
+        from agent.kubeapi.faults import FaultReporter, node_name
+
+        self.faults = FaultReporter(
+            kubeconfig=cfg.kubeconfig, node=node_name(cfg.node_name), events=cfg.fault_events,
+            condition=cfg.node_condition, on_change=self._wake,
+            gpus_out=lambda: self.health.gpus_out() if self.health is not None else {},
+            holders=self._pod_holders)
+        if replay and self.health is not None:
+            for record in self.health.transitions():
+                self.faults.notify(record)
+        self.faults.start()
+
+    def _pod_holders(self, ids: list[str]) -> list[tuple[str, str, str]]:
+        """From the events' thread: (namespace, pod, container) holding any of device `ids`
+        now, asked of kubelet's podresources (PodResourcesError when it cannot say)."""
+        from agent.kubelet.podresources import PodResourcesClient
+
+        if not self.cfg.pod_resources_socket:
+            return []
+        wanted = set(ids)
+        client = PodResourcesClient(self.cfg.pod_resources_socket)
+        try:
+            return sorted({(p.namespace, p.name, p.container) for p in client.list()
+                           if wanted.intersection(p.device_ids)})
+        finally:
+            client.close()
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -255,6 +316,11 @@ class Daemon:
         elif self.nvml.retry_at is not None:
             self.nvml.retry_at = time.monotonic()  # try the new settings now
         self.services.reconfigure(old, new)
+        if any(getattr(old, k) != getattr(new, k) for k in FAULT_SETTINGS):
+            if self.faults is not None:
+                self.faults.stop()
+                self.faults = None
+            self._start_faults(replay=False)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -263,6 +329,8 @@ class Daemon:
         self.notifier.stopping(status.summary(self))
         if self.health is not None:
             self.health.stop()
+        if self.faults is not None:
+            self.faults.stop()  # what is still queued is dropped: the agent is going away
         self.mps.stop()  # the daemons go on serving their clients
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets

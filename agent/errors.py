@@ -158,6 +158,15 @@ class PodResourcesError(AgentError):
         super().__init__(message)
 
 
+class KubeApiError(AgentError):
+    """The Kubernetes API could not be reached, or refused a request (agent.kubeapi): the
+    message says which request and why; `code` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
+
+
 class IsolationError(AgentError):
     """The isolation file is malformed (the previous set stays in force)."""
 

@@ -64,6 +64,12 @@ def summary(d: Any) -> str:
 def document(d: Any) -> dict:
     """The status document of daemon `d` (STATE_DIR/status.json)."""
     registrations = d.registrar.status() if d.registrar is not None else {}
+    held: dict[str, list[str]] = {}  # device ID -> namespace/pod/container, from the journal
+    if d.state is not None:
+        for r in d.state.journal.records():
+            if r.pod is not None:
+                for device_id in r.devices:
+                    held.setdefault(device_id, []).append("/".join(r.pod))
     resources = []
     for name, m in d.resources.managers.items():
         r = registrations.get(name)
@@ -75,7 +81,8 @@ def document(d: Any) -> dict:
             "lastError": r.last_error if r else "",
             "devices": [{"id": h.device.id, "index": h.device.gpu_index,
                          "uuid": h.device.gpu_uuid, "numaNode": h.device.numa_node,
-                         "healthy": h.healthy, "reason": h.reason}
+                         "healthy": h.healthy, "reason": h.reason,
+                         "heldBy": sorted(held.get(h.device.id, ()))}
                         for h in m.snapshot().devices],
         })
     cfg = d.cfg
@@ -100,6 +107,7 @@ def document(d: Any) -> dict:
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
         "mps": d.mps.status(),
         "health": d.health.status() if d.health is not None else None,
+        "kubernetes": d.faults.status() if d.faults is not None else None,
         **d.services.status(),  # devChar, metrics, labels
     }
 
@@ -183,6 +191,20 @@ def _metrics_line(m: dict | None, now: float | None) -> str:
     return line
 
 
+def _kubernetes_line(k: dict) -> str:
+    counts = k["eventCounts"]
+    text = f"Kubernetes API (node {k['node']}, {k['kubeconfig']}): {k['api']}"
+    if k["events"]:
+        text += (f"; events: {counts['posted']} posted, {counts['counted']} counted on one "
+                 f"posted, {k['queued']} queued, {counts['dropped']} dropped, "
+                 f"{counts['limited']} over the rate limit, {counts['failed']} refused")
+    c = k.get("condition")
+    if c:
+        text += (f"; {c['type']}={c['status']} ({c['reason']})" if c["asserted"] else
+                 f"; {c['type']} not asserted yet")
+    return text
+
+
 def format_status(doc: dict) -> str:
     from agent.health.monitor import format_status as format_health
     from agent.state.allocations import format_state
@@ -205,7 +227,8 @@ def format_status(doc: dict) -> str:
             numa = "-" if dev["numaNode"] is None else dev["numaNode"]
             line = (f"  GPU {dev['index']} {dev['uuid']} NUMA {numa}: "
                     f"{'healthy' if dev['healthy'] else 'unhealthy'}"
-                    + (f" ({dev['reason']})" if dev.get("reason") else ""))
+                    + (f" ({dev['reason']})" if dev.get("reason") else "")
+                    + (f"; held by {', '.join(dev['heldBy'])}" if dev.get("heldBy") else ""))
             if runs and runs[-1][0] == line:
                 runs[-1][1] += 1
             else:
@@ -232,6 +255,8 @@ def format_status(doc: dict) -> str:
         labels = doc["labels"]
         lines.append(f"node feature labels: {labels['file'] or '-'}"
                      + (f": {labels['error']}" if labels["error"] else ""))
+    if doc.get("kubernetes"):
+        lines.append(_kubernetes_line(doc["kubernetes"]))
     if doc.get("state"):
         lines += format_state(doc["state"])
     if doc.get("health"):

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import Section, machine
 
 MODULES = ["bench_topology", "bench_preferred", "bench_baseline", "bench_events", "bench_plugin", "bench_floor", "bench_health", "bench_state", "bench_doctor", "bench_mig",
-           "bench_metrics", "bench_hung", "bench_faults", "bench_sharing", "bench_e2e"]
+           "bench_metrics", "bench_hung", "bench_faults", "bench_sharing", "bench_e2e", "bench_storm"]
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 

@@ -20,7 +20,7 @@ AGENT = Path(__file__).resolve().parent.parent / "agent"
 RANK = {
     "__main__": 0, "demo": 0,
     "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1,
-    "kubelet": 2,
+    "kubelet": 2, "kubeapi": 2,
     "rm": 3, "health": 3, "state": 3, "mps": 3,
     "nvml": 4,
     "_fast": 5,
@@ -30,6 +30,8 @@ RANK = {
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
     "kubelet": {"nvml", "_fast"},
+    # the API server's client and the fault reports: told what to say, never asks NVML or rm
+    "kubeapi": set(RANK) - {"kubeapi", "errors", "constants"},
     "_fast": set(RANK) - {"_fast", "errors", "constants"},
     "errors": set(RANK) - {"errors"},
     "constants": set(RANK) - {"constants"},

@@ -162,6 +162,11 @@ PRECEDENCE = {
     "metrics_address": ("127.0.0.1:9445", "", "[::1]:9500",
                         ("127.0.0.1:9445", "", "[::1]:9500")),
     "nfd_features_file": ("/etc/nfd/gpu", "", "/flag/gpu", ("/etc/nfd/gpu", "", "/flag/gpu")),
+    "kubeconfig": ("/etc/gpu-agent/kubeconfig", "", "/flag/kubeconfig",
+                   ("/etc/gpu-agent/kubeconfig", "", "/flag/kubeconfig")),
+    "node_name": ("gpu-node-7", "env-node", "flag.node-1", ("gpu-node-7", "env-node", "flag.node-1")),
+    "fault_events": (False, "true", "false", (False, True, False)),
+    "node_condition": (False, "true", "false", (False, True, False)),
 }
 
 
@@ -1003,6 +1008,10 @@ VALUES = {
     "dev_char_symlinks": st.booleans(),
     "metrics_address": st.sampled_from(("", ":9445", "0.0.0.0:0", "[::]:9500", "node-1:65535")),
     "nfd_features_file": st.one_of(st.just(""), ABS_PATH),
+    "kubeconfig": st.one_of(st.just(""), ABS_PATH),
+    "node_name": st.sampled_from(("", "node-1", "gpu.rack-3.example")),
+    "fault_events": st.booleans(),
+    "node_condition": st.booleans(),
 }
 LAYERS = ("file", "env", "flag")
 

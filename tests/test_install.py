@@ -143,6 +143,7 @@ def test_the_package_says_what_it_needs_and_offers_nothing_of_its_venv(rpms):
                  "/usr/share/doc/gpu-agent/install.md", "/usr/share/licenses/gpu-agent/LICENSE",
                  "/usr/share/gpu-agent/gpu-agent-dashboard.json",
                  "/usr/share/gpu-agent/presets/vcuda-core.yaml",
+                 "/usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml",
                  "/usr/share/doc/gpu-agent/sharing.md"):
         assert path in files, path
     assert not [f for f in files if f.startswith("/usr/lib/.build-id")]
@@ -249,6 +250,8 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
         (ROOT / "packaging/grafana/gpu-agent-dashboard.json").read_bytes()
     assert (root / "usr/share/gpu-agent/presets/vcuda-core.yaml").read_bytes() == \
         (ROOT / "packaging/presets/vcuda-core.yaml").read_bytes()
+    assert (root / "usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml").read_bytes() == \
+        (ROOT / "packaging/kubernetes/gpu-agent-rbac.yaml").read_bytes()
     assert not list((root / VENV).glob("lib/python*/site-packages/agent/_fast/*.c"))
     leftovers = subprocess.run(["grep", "-rlE", "BUILDROOT|/rpmbuild/|buildenv-gpu-agent",
                                 str(root / VENV)], capture_output=True, text=True)

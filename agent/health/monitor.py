@@ -111,8 +111,12 @@ class HealthMonitor:
                  events_module: Any = None, on_change: Callable[[], None] | None = None,
                  current: Mapping[str, tuple[bool, str]] | None = None,
                  recovery_probe: Probe | None = None,
-                 outages: Callable[[], Mapping[str, tuple[str, str]]] = dict):
+                 outages: Callable[[], Mapping[str, tuple[str, str]]] = dict,
+                 on_transition: Callable[[dict], None] = lambda record: None,
+                 holders: Callable[[list[str]], list[str]] = lambda ids: []):
         self.library_path = library_path
+        self.on_transition = on_transition
+        self.holders = holders
         self.outages = outages
         self.policy = policy
         self.sink = sink
@@ -684,8 +688,10 @@ class HealthMonitor:
                              why_healthy, ", ".join(ids))
                     self._record(uuid, index, ids, True, why_healthy, None, None)
                 else:
-                    log.info("GPU %d %s: unhealthy [xid=%s action=%s]: %s; withdrawn: %s",
-                             index, uuid, xid, action or "isolate", reason, ", ".join(ids))
+                    held = self._holders(ids)
+                    log.info("GPU %d %s: unhealthy [xid=%s action=%s]: %s; withdrawn: %s; "
+                             "held by %s", index, uuid, xid, action or "isolate", reason,
+                             ", ".join(ids), ", ".join(held) or "no pod")
                     self._record(uuid, index, ids, False, reason, xid, action or "isolate")
         self._file.save([f for f in self._faults.values()])
         if changes:
@@ -693,9 +699,35 @@ class HealthMonitor:
 
     def _record(self, uuid: str, index: int, ids: list[str], healthy: bool, reason: str,
                 xid: int | None, action: str | None) -> None:
-        self._transitions.append({"time": time.time(), "gpuIndex": index, "gpuUuid": uuid,
-                                  "devices": list(ids), "healthy": healthy, "reason": reason,
-                                  "xid": xid, "action": action})
+        record = {"time": time.time(), "gpuIndex": index, "gpuUuid": uuid,
+                  "devices": list(ids), "healthy": healthy, "reason": reason,
+                  "xid": xid, "action": action}
+        self._transitions.append(record)
+        self.on_transition(record)  # queues only (agent.kubeapi.faults): nothing blocks here
+
+    def _holders(self, ids: list[str]) -> list[str]:
+        """namespace/pod/container of each container holding one of `ids`, as the
+        allocation journal knows them (in memory: nothing is asked of kubelet here)."""
+        try:
+            return self.holders(ids)
+        except Exception as exc:  # noqa: BLE001 - a log line's detail must not stop health
+            log.debug("holders of %s unknown: %s", ids, exc)
+            return []
+
+    def transitions(self) -> list[dict]:
+        """The transitions recorded so far (the last TRANSITIONS_KEPT), oldest first."""
+        with self._lock:
+            return list(self._transitions)
+
+    def gpus_out(self) -> dict[str, tuple[int, str]]:
+        """GPU UUID -> (index, why) for each GPU with a device withdrawn now."""
+        with self._lock:
+            out: dict[str, tuple[int, str]] = {}
+            for device_id, (healthy, reason) in self._applied.items():
+                if not healthy:
+                    d = self.devices[device_id]
+                    out.setdefault(d.gpu_uuid, (d.gpu_index, reason))
+            return out
 
     # -- status ------------------------------------------------------------------------------
 
@@ -815,7 +847,9 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         devices: Sequence[Any], sink: Sink,
                         on_change: Callable[[], None] | None = None,
                         current: Mapping[str, tuple[bool, str]] | None = None,
-                        outages: Callable[[], Mapping[str, tuple[str, str]]] = dict
+                        outages: Callable[[], Mapping[str, tuple[str, str]]] = dict,
+                        on_transition: Callable[[dict], None] = lambda record: None,
+                        holders: Callable[[list[str]], list[str]] = lambda ids: []
                         ) -> HealthMonitor:
     """A monitor set up from the agent's Config (agent.health options)."""
     policy = XidPolicy.build(cfg.disable_healthchecks, cfg.enable_healthchecks, cfg.xid_actions,
@@ -824,7 +858,8 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                          sink=sink, state_dir=cfg.state_dir,
                          quiet_period_s=cfg.recovery_quiet_period,
                          isolation_file=cfg.unhealthy_devices_file, on_change=on_change,
-                         current=current, outages=outages)
+                         current=current, outages=outages, on_transition=on_transition,
+                         holders=holders)
 
 
 __all__ = ["ACTION_TEXT", "HealthMonitor", "format_status", "matches_instance",

@@ -78,6 +78,7 @@ def collect(x: Any) -> Iterator[Any]:
     yield allocated
     yield from _mps(d.mps.status()["daemons"])
     yield from _xids(d.health)
+    yield from _kubernetes(d.faults)
     yield from _telemetry(x, gpus)
 
 def _agent(x: Any) -> Iterator[Any]:
@@ -137,6 +138,29 @@ def _mps(daemons: list) -> Iterator[Any]:
         restarts.add_metric(labels, m["restarts"])
     yield up
     yield restarts
+
+
+def _kubernetes(faults: Any) -> Iterator[Any]:
+    """The fault events and the node condition (agent.kubeapi.faults), when on."""
+    if faults is None:
+        return
+    st = faults.status()
+    up = GaugeMetricFamily(f"{NS}_kubernetes_api_up", "1 if the Kubernetes API server "
+                           "answered the agent's last request (events, node condition)")
+    up.add_metric([], 1.0 if st["api"] == "answering" else 0.0)
+    yield up
+    events = CounterMetricFamily(
+        f"{NS}_kubernetes_events", "Kubernetes Events about GPU faults, by outcome: posted, "
+        "counted (on the same event posted within 10 minutes), dropped (the queue was full "
+        "while the API did not answer), limited (over the per-object rate limit), failed "
+        "(refused by the API server)", labels=("outcome",))
+    for outcome, n in st["eventCounts"].items():
+        events.add_metric([outcome], n)
+    yield events
+    queued = GaugeMetricFamily(f"{NS}_kubernetes_events_queued", "Events waiting for the "
+                               "Kubernetes API")
+    queued.add_metric([], st["queued"])
+    yield queued
 
 
 def _xids(health: Any) -> Iterator[Any]:

@@ -299,6 +299,17 @@ class Cluster:
         self.api = Kube(self.server, p.users["admin"].token, p.ca)
         _wait(self.api.readyz, "kube-apiserver ready", STARTUP, proc)
 
+    def stop_apiserver(self) -> None:
+        """The API server down (SIGTERM): etcd and everything else keep running."""
+        self.procs["kube-apiserver"].stop(signal.SIGTERM)
+
+    def start_apiserver(self) -> float:
+        """The API server up again with the same flags; when it answered /readyz (monotonic)."""
+        old = self.procs["kube-apiserver"]
+        self.procs["kube-apiserver"] = proc = Process("kube-apiserver", old.argv, self.logs)
+        _wait(self.api.readyz, "kube-apiserver ready again", STARTUP, proc)
+        return time.monotonic()
+
     def _controllers(self) -> None:
         p = self.pki
         self.procs["kube-controller-manager"] = Process("kube-controller-manager", [
@@ -482,11 +493,13 @@ state = "{self.path('containerd', 'state')}"
         return root
 
     def start_agent(self, profile: str = "dgx1-v100", *args: str, name: str = "gpu-agent",
-                    env: dict | None = None, config: str | None = None) -> Agent:
+                    env: dict | None = None, config: str | None = None,
+                    kubeconfig: str | None = None) -> Agent:
         """`gpu-agent run` beside kubelet, as the systemd unit would run it (no systemd here):
         kubelet's real sockets, the driver tree of `profile` as driver and device-node root
         (NVML found there: the simulated library), its own state directory, metrics on a free
-        loopback port, and `args` last (they win)."""
+        loopback port, the kubelet's kubeconfig (as the agent's default is: the node's own
+        identity) unless `kubeconfig` names another, and `args` last (they win)."""
         root = self.driver_tree(profile)
         state = self.path(f"{name}-state")
         ctl = self.path(f"simctl-{profile}")  # one control log per simulated node
@@ -505,6 +518,7 @@ state = "{self.path('containerd', 'state')}"
                 "--metrics-address", "127.0.0.1:0",
                 "--nfd-features-file", self.path(f"{name}-features.d", "gpu-agent"),
                 "--unhealthy-devices-file", self.path(f"{name}-unhealthyDevices.json"),
+                "--kubeconfig", kubeconfig or self.kubelet_kubeconfig, "--node-name", NODE,
                 *(["--config", config] if config else []), *args]
         agent = Agent(name, Process(name, argv, self.logs, env=environ, cwd=str(ROOT)),
                       state=state, control=ctl, root=root)

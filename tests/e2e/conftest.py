@@ -15,12 +15,13 @@ import os
 import re
 import signal
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import pytest
 
 from tests.e2e import images
-from tests.e2e.cluster import NODE, ROOT, Agent, Cluster, Process, versions
+from tests.e2e.cluster import DEVICE_PLUGIN_DIR, NODE, ROOT, Agent, Cluster, Process, versions
 from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
 
 GPU = "nvidia.com/gpu"
@@ -114,9 +115,10 @@ class E2ENode:
     # -- the agent -----------------------------------------------------------------------
 
     def agent(self, profile: str = "dgx1-v100", *args: str, config: str | None = None,
-              name: str = "gpu-agent", env: dict | None = None) -> Agent:
+              name: str = "gpu-agent", env: dict | None = None,
+              kubeconfig: str | None = None) -> Agent:
         agent = self.cluster.start_agent(profile, *args, name=f"{name}-{self.tag}",
-                                         config=config, env=env)
+                                         config=config, env=env, kubeconfig=kubeconfig)
         self.agents.append(agent)
         return agent
 
@@ -126,6 +128,45 @@ class E2ENode:
         proc = self.cluster.start_nvidia_plugin(profile, config, name=f"nvidia-plugin-{self.tag}")
         self.plugins.append(proc)
         return proc
+
+    def agent_identity(self) -> str:
+        """A kubeconfig for user `gpu-agent` (a client certificate, as the kubelet's own is),
+        with exactly the RBAC the package ships (packaging/kubernetes) applied."""
+        import yaml
+
+        from tests.e2e import pki
+
+        for doc in yaml.safe_load_all((ROOT / "packaging" / "kubernetes" /
+                                       "gpu-agent-rbac.yaml").read_text()):
+            plural = {"ClusterRole": "clusterroles",
+                      "ClusterRoleBinding": "clusterrolebindings"}[doc["kind"]]
+            try:
+                self.api.create(f"/apis/rbac.authorization.k8s.io/v1/{plural}", doc)
+            except ApiError as exc:
+                if exc.code != 409:  # applied by an earlier test of this cluster
+                    raise
+        return pki.client_certificate(self.cluster.pki, "gpu-agent", self.cluster.server)
+
+    def events(self, kind: str, name: str, uid: str, reason: str | None = None) -> list[dict]:
+        """The events `kubectl describe` shows for the object: matched by kind, name and UID
+        (kubectl's describe.go searchEvents; for a Node it also asks with the node's name as
+        UID, which is what kubelet, and gpu-agent, give their Node events)."""
+        selector = urllib.parse.quote(f"involvedObject.kind={kind},involvedObject.name={name},"
+                                      f"involvedObject.uid={uid}")
+        items = self.api.get(f"/api/v1/events?fieldSelector={selector}")["items"]
+        return [e for e in items if reason is None or e["reason"] == reason]
+
+    def condition(self, type_: str = "GPUHealthy") -> dict | None:
+        return next((c for c in self.node()["status"].get("conditions", [])
+                     if c["type"] == type_), None)
+
+    def plugin_channel(self, agent: Agent, resource: str = GPU):
+        """A gRPC channel to `agent`'s device-plugin socket of `resource`: Allocate called as
+        kubelet calls it (DevicePluginStub), without a pod."""
+        import grpc
+
+        socket = next(r["socket"] for r in agent.status()["resources"] if r["name"] == resource)
+        return grpc.insecure_channel(f"unix:{DEVICE_PLUGIN_DIR}/{os.path.basename(socket)}")
 
     def config(self, text: str, name: str = "config.yaml") -> str:
         return self.cluster.write(name, text)

@@ -63,6 +63,29 @@ class Pki:
         return path
 
 
+def client_certificate(pki: Pki, name: str, server: str, groups: tuple[str, ...] = ()) -> str:
+    """A client certificate for user `name` (CN) in `groups` (O), signed by the cluster's CA
+    (the API server's --client-ca-file), and a kubeconfig naming it by path as the kubelet's
+    own does; the kubeconfig's path."""
+    key, crt = pki.path(f"{name}.key"), pki.path(f"{name}.crt")
+    subject = f"/CN={name}" + "".join(f"/O={g}" for g in groups)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7", "-subj", subject,
+             "-CA", pki.ca, "-CAkey", pki.path("ca.key"),
+             "-addext", "basicConstraints=critical,CA:FALSE",
+             "-addext", "extendedKeyUsage=clientAuth", "-keyout", key, "-out", crt)
+    path = pki.path(f"{name}.kubeconfig")
+    with open(path, "w") as f:
+        f.write("apiVersion: v1\nkind: Config\n"
+                f"clusters:\n- name: e2e\n  cluster:\n    server: {server}\n"
+                f"    certificate-authority: {pki.ca}\n"
+                f"users:\n- name: {name}\n  user:\n    client-certificate: {crt}\n"
+                f"    client-key: {key}\n"
+                f"contexts:\n- name: e2e\n  context:\n    cluster: e2e\n    user: {name}\n"
+                "current-context: e2e\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 def make(directory: str, node: str, addresses: list[str]) -> Pki:
     """Write the CA, the API server's certificate (for `addresses` and localhost), the
     service-account key pair and the token file; the users are `admin`, `kubelet` (the node

@@ -1,0 +1,158 @@
+"""The Kubernetes API server for the fast tests of agent.kubeapi: plain HTTP on loopback, with
+a bearer token, serving only what the agent asks of the real one (tests/e2e checks it there):
+create and patch Events, read a Pod and the Node, patch the Node's status with a strategic
+merge patch of its conditions (merged by `type`, as the real server merges them).
+
+A test stops and starts it on the same port (the API server down for a while), refuses paths
+(RBAC's 403), and waits for what it received: `wait(predicate)` follows each request, never a
+fixed sleep. Every request is kept in `requests` (method, path, body).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+TOKEN = "fast-test-token"
+WAIT = 30.0
+
+
+class KubeApi:
+    """Serves node `node` with pods `pods` ({(namespace, name): uid})."""
+
+    def __init__(self, node: str, pods: dict[tuple[str, str], str] | None = None):
+        self.node = node
+        self.pods = dict(pods or {})
+        self.events: dict[tuple[str, str], dict] = {}  # (namespace, name) -> event
+        self.conditions: dict[str, dict] = {}  # the Node's, by type
+        self.requests: list[tuple[str, str, Any]] = []
+        self.refuse: set[str] = set()  # path prefixes answered 403
+        self._cv = threading.Condition()
+        self._server: ThreadingHTTPServer | None = None
+        self.port = 0
+        self.start()
+
+    # -- life ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    code, answer = 401, {"message": "Unauthorized"}
+                else:
+                    code, answer = api._answer(self.command, self.path, body,
+                                               self.headers.get("Content-Type", ""))
+                data = json.dumps(answer).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = _serve
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        """Down: connections refused until `start()` (the same port)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    @property
+    def server(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kubeconfig(self, path: str) -> str:
+        with open(path, "w") as f:
+            f.write("apiVersion: v1\nkind: Config\ncurrent-context: fast\n"
+                    f"clusters:\n- name: fast\n  cluster:\n    server: {self.server}\n"
+                    f"users:\n- name: agent\n  user:\n    token: {TOKEN}\n"
+                    "contexts:\n- name: fast\n  context:\n    cluster: fast\n    user: agent\n")
+        return path
+
+    # -- what it received -------------------------------------------------------------------
+
+    def wait(self, predicate: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                got = predicate()
+                if got:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out waiting for {what}; requests: "
+                                         f"{self.requests[-10:]}")
+                self._cv.wait(left)
+
+    def poke(self) -> None:
+        """Something outside the requests changed (a reporter's counts): `wait` looks again."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def events_about(self, kind: str, name: str, reason: str | None = None) -> list[dict]:
+        with self._cv:
+            return [e for e in self.events.values()
+                    if e["involvedObject"]["kind"] == kind and e["involvedObject"]["name"] == name
+                    and (reason is None or e["reason"] == reason)]
+
+    def condition(self, type_: str) -> dict | None:
+        with self._cv:
+            return self.conditions.get(type_)
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _answer(self, method: str, path: str, body: Any, content_type: str) -> tuple[int, Any]:
+        with self._cv:
+            self.requests.append((method, path, body))
+            try:
+                if any(path.startswith(p) for p in self.refuse):
+                    return 403, {"message": f"forbidden: {path}"}
+                return self._route(method, path.split("/")[1:], body, content_type)
+            finally:
+                self._cv.notify_all()
+
+    def _route(self, method: str, parts: list[str], body: Any, ctype: str) -> tuple[int, Any]:
+        if parts[:3] == ["api", "v1", "namespaces"] and len(parts) >= 5:
+            namespace, kind, rest = parts[3], parts[4], parts[5:]
+            if kind == "events" and method == "POST" and not rest:
+                name = body["metadata"]["name"]
+                self.events[(namespace, name)] = body
+                return 201, body
+            if kind == "events" and method == "PATCH" and len(rest) == 1:
+                event = self.events.get((namespace, rest[0]))
+                if event is None:
+                    return 404, {"message": f"events {rest[0]} not found"}
+                event.update(body)
+                return 200, event
+            if kind == "pods" and method == "GET" and len(rest) == 1:
+                uid = self.pods.get((namespace, rest[0]))
+                if uid is None:
+                    return 404, {"message": f"pods {rest[0]} not found"}
+                return 200, {"metadata": {"name": rest[0], "namespace": namespace, "uid": uid}}
+        if parts[:3] == ["api", "v1", "nodes"] and len(parts) >= 4 and parts[3] == self.node:
+            if method == "GET" and len(parts) == 4:
+                return 200, {"metadata": {"name": self.node},
+                             "status": {"conditions": list(self.conditions.values())}}
+            if method == "PATCH" and parts[4:] == ["status"]:
+                if ctype != "application/strategic-merge-patch+json":
+                    return 415, {"message": f"unsupported patch type {ctype}"}
+                for c in body["status"]["conditions"]:
+                    self.conditions[c["type"]] = {**self.conditions.get(c["type"], {}), **c}
+                return 200, {"metadata": {"name": self.node}}
+        return 404, {"message": f"{method} /{'/'.join(parts)}: not served here"}
