@@ -24,7 +24,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     from agent import _fast
     from agent.config import load_config
-    from agent.status import format_status, read_status
+    from agent.status import exit_code, format_status, read_status
 
     state_dir = load_config(args, os.environ).state_dir
     doc = read_status(state_dir)
@@ -41,7 +41,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"agent: no status in {state_dir} (never started there)")
     else:
         print(format_status(doc))
-    return 0
+    return exit_code(doc)  # 0 running, all in; 1 running, a device out; 3 not running
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -100,7 +100,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sub, "status", _cmd_status,
         help="show the build and, when an agent runs, its state (from STATE_DIR/status.json)",
         description="Show the build (version, hot-path implementation) and what the agent "
-                    "using this state directory last reported.")
+                    "using this state directory last reported. Exits as systemctl status "
+                    "does: 0 running with every device in service, 1 running with a device "
+                    "withdrawn (or NVML down), 3 not running (--json: always 0).")
 
     p = sub.add_parser(
         "demo",

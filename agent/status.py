@@ -168,6 +168,20 @@ def read_status(state_dir: str) -> dict | None:
     return doc
 
 
+# `gpu-agent status` exits as `systemctl status` does, so that a script can branch on it.
+EXIT_RUNNING = 0  # running, every advertised device in service
+EXIT_DEGRADED = 1  # running, but a device is withdrawn or NVML is down
+EXIT_NOT_RUNNING = 3  # stopped, or never started with this state directory
+
+
+def exit_code(doc: dict | None) -> int:
+    """The exit code of `gpu-agent status` for status document `doc` (read_status)."""
+    if doc is None or not doc.get("running"):
+        return EXIT_NOT_RUNNING
+    out = any(not dev["healthy"] for r in doc.get("resources", []) for dev in r["devices"])
+    return EXIT_DEGRADED if out or not doc.get("nvml", {}).get("up") else EXIT_RUNNING
+
+
 def _alive(pid: Any) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False

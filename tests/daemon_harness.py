@@ -138,7 +138,7 @@ class Node:
         """`gpu-agent status` once it shows every one of `texts` (or the last one printed)."""
         deadline = time.monotonic() + timeout
         while True:
-            out = run_gpu_agent("status", "--state-dir", self.state, env=clean_env()).stdout
+            out = run_gpu_agent("status", "--state-dir", self.state, env=clean_env(), check=False).stdout
             if all(t in out for t in texts) or time.monotonic() > deadline:
                 return out
             time.sleep(0.2)

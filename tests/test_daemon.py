@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
+from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent, wants_twins
 from tests.daemon_harness import GPU, SOCKET, Node, clean_env
@@ -76,7 +77,7 @@ def test_list_and_watch_sends_the_full_list_to_every_stream(node):
 def test_status_reports_the_running_agent(node):
     agent = node.agent()
     agent.wait_registered()
-    out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
+    out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
     assert f"agent: running (pid {agent.pid}" in out
     assert f"{GPU}: registered (1 registrations) on {node.plugin_socket}" in out
     assert f"GPU 3 {UUIDS[3]} NUMA 0: healthy" in out
@@ -84,6 +85,23 @@ def test_status_reports_the_running_agent(node):
                                    env=clean_env()).stdout)["agent"]
     assert doc["running"] and doc["nvml"]["up"] and doc["resources"][0]["registered"]
     assert doc["summary"] == f"{GPU}: 8/8 healthy, registered (1)"
+
+
+def test_status_exits_as_systemctl_status_does(node):
+    # 3 before the agent ever ran there, 0 running with every GPU in, 1 with one withdrawn,
+    # 3 once stopped; --json keeps exiting 0 (its document says it all)
+    status = ("status", "--state-dir", node.state)
+    assert run_gpu_agent(*status, env=clean_env(), check=False).returncode == 3
+    agent = node.agent()
+    agent.wait_registered()
+    assert run_gpu_agent(*status, env=clean_env(), check=False).returncode == 0
+    control.inject_xid(node.ctl, 5, 79)
+    node.status_with(f"GPU 5 {UUIDS[5]} NUMA 0: unhealthy")
+    assert run_gpu_agent(*status, env=clean_env(), check=False).returncode == 1
+    assert run_gpu_agent(*status, "--json", env=clean_env(), check=False).returncode == 0
+    assert agent.stop() == 0
+    proc = run_gpu_agent(*status, env=clean_env(), check=False)
+    assert proc.returncode == 3 and "agent: not running" in proc.stdout
 
 
 def test_mig_enabled_gpus_are_advertised_whole_with_mig_strategy_none():
@@ -276,5 +294,5 @@ def test_stop_signal_removes_the_socket_and_exits_zero(node, signum):
                                  what="the stream to end")
     assert state.resource(GPU).allocatable == 0  # kubelet marks the devices unhealthy
     assert f"{signal.Signals(signum).name}: stopping" in agent.log
-    out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env()).stdout
+    out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
     assert f"agent: not running (pid {agent.pid}, phase stopped" in out

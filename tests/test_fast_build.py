@@ -109,7 +109,7 @@ def test_status_names_the_live_implementation(pure, expected):
     env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_PURE_PYTHON"}
     if pure is not None:
         env["GPU_AGENT_PURE_PYTHON"] = pure
-    assert expected in run_gpu_agent("status", env=env).stdout.splitlines()
+    assert expected in run_gpu_agent("status", env=env, check=False).stdout.splitlines()
 
 
 @pytest.mark.parametrize("pure", [None, "1"], ids=["cython", "python"])

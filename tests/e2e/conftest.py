@@ -149,8 +149,9 @@ class E2ENode:
 
     def events(self, kind: str, name: str, uid: str, reason: str | None = None) -> list[dict]:
         """The events `kubectl describe` shows for the object: matched by kind, name and UID
-        (kubectl's describe.go searchEvents; for a Node it also asks with the node's name as
-        UID, which is what kubelet, and gpu-agent, give their Node events)."""
+        (k8s.io/kubectl v0.37.2 pkg/describe/describe.go searchEvents; for a Node it asks
+        again with the node's name as UID: "there are two UIDs for host events: controller
+        use node.uid, kubelet use node.name", and gpu-agent does as kubelet)."""
         selector = urllib.parse.quote(f"involvedObject.kind={kind},involvedObject.name={name},"
                                       f"involvedObject.uid={uid}")
         items = self.api.get(f"/api/v1/events?fieldSelector={selector}")["items"]
