@@ -167,8 +167,16 @@ def test_panels_have_distinct_ids_and_titles_and_do_not_overlap():
 
 
 def test_every_query_uses_only_the_agents_metrics():
+    # its own (gpu_agent_*) and its process's (process_*, prometheus_client's process collector
+    # on the same endpoint, each query joined to gpu_agent_build_info so that no other job's
+    # process is shown)
     used = used_names()
-    assert used and sorted(n for n in used if not n.startswith(PREFIX)) == []
+    assert used and sorted(n for n in used if not n.startswith((PREFIX, "process_"))) == []
+    for panel in load()["panels"]:
+        for target in panel.get("targets", []):
+            if "process_" in target["expr"]:
+                assert target["expr"].endswith(
+                    'and on (instance) gpu_agent_build_info{instance=~"$instance"}'), target
 
 
 # -- against a running agent -------------------------------------------------------------------

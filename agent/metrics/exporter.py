@@ -223,7 +223,7 @@ def _http_server(sock: socket.socket, collector: Any) -> Any:
     from http.server import HTTPServer
     from urllib.parse import parse_qs, urlparse
 
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, ProcessCollector
     from prometheus_client.exposition import MetricsHandler, choose_encoder, gzip_accepted
 
     from agent.metrics.render import Renderer
@@ -233,6 +233,10 @@ def _http_server(sock: socket.socket, collector: Any) -> Any:
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    # the agent's own process (resident memory, CPU seconds, open and maximum file
+    # descriptors, start time), from /proc as prometheus_client reads it, named as every
+    # Prometheus client library names them
+    ProcessCollector(registry=registry)
     renderer = Renderer()
 
     class Handler(MetricsHandler.factory(registry)):  # type: ignore[misc]
