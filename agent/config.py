@@ -210,8 +210,20 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> C
 
 
 def check_config_file(path: str) -> Config:
-    """Check the config file at `path` alone (no flags, no environment): ConfigError if bad."""
-    return _build({}, {}, read_file(path), Source("argument", "FILE"))
+    """Check the config file at `path` alone (no flags, no environment): ConfigError if bad,
+    or if `run` would refuse it (check_supported)."""
+    cfg = _build({}, {}, read_file(path), Source("argument", "FILE"))
+    check_supported(cfg)
+    return cfg
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse, with the key and where it was set, settings `run` does not implement yet (the
+    schema accepts them, as NVIDIA's has them): `run`, its reload and `config check` refuse
+    the same."""
+    if cfg.imex.channel_ids:
+        raise ConfigError("imex.channelIDs", "IMEX channels are not supported by gpu-agent run "
+                                             "yet; remove them", cfg.config_file or "")
 
 
 def _build(flags: dict, env: dict, layer: FileLayer | None, file_source: Source) -> Config:

@@ -73,7 +73,7 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 VCUDA_CORE = "tencent.com/vcuda-core"
 VCUDA_MEMORY = "tencent.com/vcuda-memory"
 VCUDA_CORE_UNITS = 100
-# The operators' manual isolation file, where NVIDIA's tooling keeps it.
+# The operators' manual isolation file, where Alibaba Cloud ACK's fork of NVIDIA's plugin keeps it.
 DEFAULT_ISOLATION_FILE = "/etc/nvidia-device-plugin/unhealthyDevices.json"
 # Matching allocations to pods through podresources, besides at start and after Allocate.
 DEFAULT_RECONCILE_INTERVAL_S = 60.0

@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent import __version__, gcpause, status
-from agent.config import Config, load_config
+from agent.config import Config, check_supported, load_config
 from agent.errors import ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
 from agent.mps.daemons import MpsDaemons
 from agent.nvml.guard import GUARD
 from agent.nvml.session import NvmlSession
-from agent.rm.resources import Resources, check_supported
+from agent.rm.resources import Resources
 from agent.services import Services
 from agent.signals import Waiter
 from agent.systemd import Notifier
@@ -82,6 +82,7 @@ class Daemon:
             check_supported(self.cfg)
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
+            self._warn_ignored(self.cfg)
             GUARD.while_waiting = (threading.get_ident(), self._watchdog)  # this thread's
             try:  # health.json and the journal live there
                 os.makedirs(self.cfg.state_dir, mode=0o755, exist_ok=True)
@@ -297,7 +298,16 @@ class Daemon:
         if new is not None:
             log.info("configuration reloaded (reload %d)", self.reloads)
 
+    @staticmethod
+    def _warn_ignored(cfg: Config) -> None:
+        """NVIDIA's keys the file sets that gpu-agent accepts (so the file loads) but does
+        not act on: said once per start or reload, not silently dropped."""
+        if cfg.compat:
+            log.warning("config file %s: gpu-agent accepts and ignores NVIDIA's %s (see "
+                        "docs/configuration.md)", cfg.config_file, ", ".join(sorted(cfg.compat)))
+
     def _apply_config(self, new: Config) -> None:
+        self._warn_ignored(new)
         old, self.cfg = self.cfg, new
         self.reloads += 1
         self.last_error = ""

@@ -17,8 +17,8 @@ import pytest
 from agent.sim import PROFILES_DIR
 from agent.sim.profile import load_profile
 from agent.status import read_status
-from tests.conftest import ROOT
-from tests.daemon_harness import GPU, WAIT, Node, NotifySocket
+from tests.conftest import ROOT, run_gpu_agent
+from tests.daemon_harness import GPU, WAIT, Node, NotifySocket, clean_env
 
 INDEX = {g["uuid"]: g["index"] for g in load_profile("dgx1-v100")["gpus"]}
 
@@ -278,6 +278,31 @@ def test_bad_config_value_exits_2_naming_the_key(node, text, args, env, key, pro
         assert node.path("config.yaml") in error[0]  # and the file
     assert not os.path.lexists(node.plugin_socket)
     assert "Traceback" not in agent.log
+
+
+@pytest.mark.parametrize("text, key, problem", [
+    pytest.param(case[1], case[4], case[5], id=case[0]) for case in BAD_CONFIG
+    if case[1] is not None and not case[2] and not case[3]])
+def test_config_check_refuses_each_file_run_refuses_with_the_same_line(node, text, key, problem):
+    # an operator checks a file before `systemctl reload`: what run would refuse, check does
+    path = node.write("config.yaml", text)
+    checked = run_gpu_agent("config", "check", path, env=clean_env(), check=False)
+    assert checked.returncode == 2 and checked.stdout == "", checked
+    agent = node.agent("--config", path)
+    assert agent.wait_exit() == 2, agent.log
+    error = [line for line in agent.log.splitlines() if line.startswith("gpu-agent: error: ")]
+    assert checked.stderr.splitlines() == error, (checked.stderr, error)
+    assert key in error[0] and problem in error[0]
+
+
+def test_nvidias_keys_the_agent_ignores_are_named_in_a_warning_not_dropped_silently(node):
+    path = node.write("config.yaml", "version: v1\nflags:\n  gdsEnabled: true\n  plugin:\n"
+                                     "    containerDriverRoot: /driver-root\n")
+    agent = node.agent("--config", path)
+    agent.wait_registered()
+    agent.wait_log(f"WARNING agent.daemon: config file {path}: gpu-agent accepts and ignores "
+                   f"NVIDIA's flags.gdsEnabled, flags.plugin.containerDriverRoot")
+    assert agent.stop() == 0
 
 
 # -- systemd -----------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def check_config(ctx: Context) -> Finding:
                     f"{ctx.config_fallback})",
                     f"fix {err.key} ({where}), then check with `gpu-agent config check FILE` "
                     f"and `systemctl reload gpu-agent`")
-    from agent.rm.resources import check_supported
+    from agent.config import check_supported
 
     try:
         check_supported(cfg)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agent.config import Config
-from agent.errors import ConfigError, NvmlError, StateError
+from agent.errors import NvmlError, StateError
 from agent.nvml import discovery, mig
 from agent.rm.allocate import ResponseOptions
 from agent.rm.devices import devices_by_resource
@@ -28,14 +28,6 @@ from agent.rm.sharing import MpsGpu, check_mps, mps_plan, replicate
 from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
-
-
-def check_supported(cfg: Config) -> None:
-    """Refuse, with the key and where it was set, settings `run` does not implement yet
-    (config.py accepts them, as NVIDIA's schema has them)."""
-    if cfg.imex.channel_ids:
-        raise ConfigError("imex.channelIDs", "IMEX channels are not supported by gpu-agent run "
-                                             "yet; remove them", cfg.config_file or "")
 
 
 def _listing(devices: Sequence[Any]) -> str:
