@@ -11,7 +11,9 @@ agent.config), and must not import anything of `agent` but errors and the _confi
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple, Union
@@ -34,6 +36,10 @@ from agent.errors import ConfigError, InvalidValue
 VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com"
 MAX_RESOURCE_NAME = 63  # NVIDIA's limit on the full name, prefix included
+# A config file is a page or two: larger ones (or ones whose aliases expand past this many
+# values) are refused at once instead of parsed for seconds or until memory runs out.
+MAX_FILE_BYTES = 1 << 20
+MAX_NODES = 100_000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +337,33 @@ def _mark(mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
+def _check_expansion(root, source: str) -> None:
+    """Refuse a document whose aliases would expand past MAX_NODES nodes (a "billion laughs"
+    file: a few hundred bytes that decode into gigabytes). Each node's expanded size is
+    counted once, so this costs the size of the file, not of its expansion."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+
+    def size(node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = MAX_NODES + 1  # a cycle (recursive alias) counts as too big
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(size(item) for item in node.value)
+        else:
+            n = 1
+        sizes[id(node)] = n = min(n, MAX_NODES + 1)
+        return n
+
+    if size(root) > MAX_NODES:
+        raise ConfigError(source, f"invalid YAML: its aliases expand to more than {MAX_NODES} "
+                                  f"values; a config file needs no such nesting")
+
+
 def _find_duplicates(node, path: str, source: str) -> None:
     """Refuse a key given twice in one mapping (PyYAML would silently keep the last)."""
     import yaml
@@ -391,6 +424,7 @@ def load_yaml(text: str, source: str) -> Any:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
+            _check_expansion(node, source)
             _find_duplicates(node, "", source)
         return _join_surrogates(yaml.safe_load(text), source)
     except yaml.MarkedYAMLError as exc:
@@ -408,8 +442,21 @@ def read_file(path: str, given_by: str = "") -> FileLayer:
     """Read and check the config file at `path`. `given_by` says where the path came from
     (e.g. "from --config"), for the error if the file cannot be read."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        # O_NONBLOCK: a FIFO opens at once (to be refused below) instead of waiting for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(path, f"cannot read the config file: not a regular file "
+                                        f"({_file_kind(st.st_mode)})", given_by)
+            if st.st_size > MAX_FILE_BYTES:
+                raise ConfigError(path, f"the config file is {st.st_size} bytes; at most "
+                                        f"{MAX_FILE_BYTES} (1 MiB) is read", given_by)
+            raw = f.read(MAX_FILE_BYTES + 1)  # a file that grew meanwhile is cut here
+        if len(raw) > MAX_FILE_BYTES:
+            raise ConfigError(path, f"the config file is over {MAX_FILE_BYTES} bytes (1 MiB)",
+                              given_by)
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}",
                           given_by) from exc
@@ -417,6 +464,15 @@ def read_file(path: str, given_by: str = "") -> FileLayer:
         raise ConfigError(path, f"cannot read the config file: not UTF-8 text "
                                 f"(byte {exc.start})", given_by) from exc
     return parse_document(load_yaml(text, path), path)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def parse_document(data: Any, source: str) -> FileLayer:

@@ -1205,3 +1205,38 @@ def test_the_docs_name_every_option_with_its_flag_env_key_and_default():
         names = (opt.flag, *opt.aliases, opt.env, opt.key or "—", opt.describe_default())
         assert any(all(f" {name} " in f" {row} " or f" {name})" in row for name in names)
                    for row in table), (opt.name, names)
+
+
+# -- files that are not config files ------------------------------------------------------------
+
+BOMB = "version: v1\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda d: _file(d, BOMB), "invalid YAML: its aliases expand to more than 100000 values; "
+                               "a config file needs no such nesting"),
+    (lambda d: _file(d, "version: v1\n" + "#" * (1 << 20) + "\n"),
+     "the config file is 1048589 bytes; at most 1048576 (1 MiB) is read"),
+    (lambda d: "/dev/zero", "cannot read the config file: not a regular file (a character "
+                            "device)"),
+    (lambda d: _fifo(d), "cannot read the config file: not a regular file (a pipe)"),
+], ids=["alias-bomb", "over-1-MiB", "dev-zero", "fifo"])
+def test_what_is_not_a_config_file_is_refused_at_once_in_one_line(tmp_path, make, problem):
+    # the PyYAML of a billion laughs, 2 MB of comments or /dev/zero took seconds or all memory
+    path = make(tmp_path)
+    proc = run_gpu_agent("config", "check", path, env=clean_env(), check=False, timeout=20)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"gpu-agent: error: {path}: {problem}\n"
+
+
+def _file(directory, text: str) -> str:
+    path = directory / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _fifo(directory) -> str:
+    path = directory / "config.fifo"
+    os.mkfifo(path)
+    return str(path)
