@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from agent import logs
 
+    # the agent's lines carry the time, unless the journal, which adds its own, takes them
     stop_logging = logs.setup(getattr(logging, args.log_level.upper()),
-                              background=args.command == "run")
+                              background=args.command == "run",
+                              timestamps=args.command == "run" and not logs.journal_stderr())
     try:
         return int(args.func(args) or 0)
     except AgentError as exc:

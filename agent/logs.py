@@ -1,7 +1,9 @@
-"""The agent's logging: one line per record on stderr (journald adds the time), and a writer
-thread that takes the hot path's lines off it.
+"""The agent's logging: one line per record on stderr, and a writer thread that takes the hot
+path's lines off it. Each line starts with the local time unless stderr is the journal
+(`journal_stderr()`: systemd's JOURNAL_STREAM names stderr's device and inode), which adds
+its own.
 
-Owns: `setup(level, background)` and `later(logger, level, msg, *args)`. Records are written
+Owns: `setup(level, background, timestamps)` and `later(logger, level, msg, *args)`. Records are written
 by the thread that logs them, as usual, except those of `later`: with `background` (the `run`
 command) the caller only appends the message and its arguments to a queue, and the
 `log-writer` thread formats the lines and writes each burst to stderr with one write (at most
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import threading
 import time
 from typing import Any, Callable
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # then .mmm, as logging's asctime with msecs
 BATCH_S = 0.02  # a woken writer lets a burst gather this long, then writes all of it
 
 
@@ -55,13 +59,14 @@ class _Writer:
     def _drain(self) -> None:
         lines = []
         while self.items:
-            logger, level, msg, args = self.items.popleft()
+            logger, level, msg, args, when = self.items.popleft()
             try:
                 text = msg % args
             except (TypeError, ValueError) as exc:  # a bad format: say so, keep going
                 text = f"unloggable message {msg!r} {args!r}: {exc}"
-            lines.append(FORMAT % {"levelname": logging.getLevelName(level),
-                                   "name": logger.name, "message": text})
+            line = FORMAT % {"levelname": logging.getLevelName(level), "name": logger.name,
+                             "message": text}
+            lines.append(line if when is None else f"{_stamp(when)} {line}")
         if lines:  # one write for the burst, in the format of every other line
             try:
                 sys.stderr.write("\n".join(lines) + "\n")
@@ -71,6 +76,22 @@ class _Writer:
 
 
 _writer: _Writer | None = None
+_timestamps = False
+
+
+def _stamp(when: float) -> str:
+    return f"{time.strftime(TIME_FORMAT, time.localtime(when))}.{int(when * 1000) % 1000:03d}"
+
+
+def journal_stderr(environ: Any = None) -> bool:
+    """Is stderr connected to the journal (systemd sets JOURNAL_STREAM to its device:inode)?"""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(part) for part in value.split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def later(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
@@ -82,15 +103,17 @@ def later(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
     if writer is None:
         logger.log(level, msg, *args)
         return
-    writer.items.append((logger, level, msg, args))  # atomic; drained after `wake` is cleared
+    writer.items.append((logger, level, msg, args, time.time() if _timestamps else None))
     if not writer.wake.is_set():  # inline, not a method: every Allocate comes through here
         writer.wake.set()
 
 
-def setup(level: int, background: bool = False) -> Callable[[], None]:
-    """Log at `level` to stderr; returns what stops the writer thread (a no-op without
-    `background`)."""
-    global _writer
+def setup(level: int, background: bool = False,
+          timestamps: bool = False) -> Callable[[], None]:
+    """Log at `level` to stderr, each line with the time when `timestamps`; returns what stops
+    the writer thread (a no-op without `background`)."""
+    global _writer, _timestamps
+    _timestamps = timestamps
     logging._srcfile = None  # no findCaller(): the format shows no file or line
     logging.logThreads = False
     logging.logProcesses = False
@@ -100,7 +123,10 @@ def setup(level: int, background: bool = False) -> Callable[[], None]:
     # asyncio (with ssl and OpenSSL) that the agent never uses. It runs no tasks.
     logging.logAsyncioTasks = False
     stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(logging.Formatter(FORMAT))
+    if _timestamps:
+        stream.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d " + FORMAT, TIME_FORMAT))
+    else:
+        stream.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.setLevel(level)
     root.addHandler(stream)

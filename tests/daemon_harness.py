@@ -13,6 +13,7 @@ agent's log when it runs out; nothing here asserts on timing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,6 +42,17 @@ _OPTION_ENV = {opt.env for opt in OPTIONS}
 # INVOCATION_ID: a test run from a systemd service must not make the agent start MPS daemons
 # with systemd-run (agent.mps.control.launcher)
 _SYSTEMD_ENV = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "INVOCATION_ID"}
+
+
+# `gpu-agent run`'s lines off the journal: "2026-11-28 16:40:01.123 LEVEL logger: message"
+LOG_LINE = re.compile(r"(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) (?P<level>[A-Z]+) "
+                      r"(?P<logger>[\w.]+): (?P<message>.*)")
+
+
+def log_level(line: str) -> str:
+    """The level of one of the agent's log lines ("" for a line that is not one)."""
+    found = LOG_LINE.fullmatch(line)
+    return found["level"] if found else ""
 
 
 def clean_env(**extra: str) -> dict:

@@ -16,7 +16,7 @@ from agent.rm.allocate import ResponseOptions, container_response
 from agent.rm.devices import Device
 from agent.sim.profile import load_profile
 from agent.status import format_status, read_status
-from tests.daemon_harness import GPU, Node, NotifySocket
+from tests.daemon_harness import GPU, Node, NotifySocket, log_level
 
 GPUS = load_profile("dgx1-v100")["gpus"]
 DEVICES = [Device(id=g["uuid"], index=str(g["index"]), gpu_uuid=g["uuid"], gpu_index=g["index"],
@@ -202,8 +202,8 @@ def test_agent_warns_keeps_serving_and_checks_again_on_sighup(node):
         ready = notify.wait_key("READY", "1")
         assert notify.messages[ready]["STATUS"].endswith(
             "; CDI spec lacks 8 of 8 device names (see the log)")
-        error = next(line for line in agent.log.splitlines() if line.startswith("ERROR") and
-                     "CDI:" in line)
+        error = next(line for line in agent.log.splitlines() if log_level(line) == "ERROR"
+                     and "CDI:" in line)
         assert GENERATE in error and REFRESH in error and GPUS[3]["uuid"] in error
         status = read_status(node.state)
         assert status["cdi"]["ok"] is False and len(status["cdi"]["missing"]) == 8
@@ -237,6 +237,6 @@ def test_agent_with_the_toolkit_spec_starts_without_a_warning(node):
     agent.wait_log("CDI: the cdi-annotations device-list strategy hands out 8 device names, "
                    f"all defined by {node.cdi_dirs[0]}/nvidia.yaml")
     assert not [line for line in agent.log.splitlines()
-                if line.startswith(("ERROR", "WARNING")) and "CDI" in line]
+                if log_level(line) in ("ERROR", "WARNING") and "CDI" in line]
     node.status_when(lambda doc: doc["cdi"] and doc["cdi"]["ok"], "the CDI check passed")
     assert agent.stop() == 0

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from agent.sim import PROFILES_DIR
+from agent.sim import PROFILES_DIR, control
 from agent.sim.profile import load_profile
 from agent.status import read_status
 from tests.conftest import ROOT, run_gpu_agent
-from tests.daemon_harness import GPU, WAIT, Node, NotifySocket, clean_env
+from tests.daemon_harness import GPU, WAIT, Node, NotifySocket, clean_env, log_level
 
 INDEX = {g["uuid"]: g["index"] for g in load_profile("dgx1-v100")["gpus"]}
 
@@ -341,3 +341,29 @@ def test_no_notify_socket_no_notifications(node):
     agent.wait_registered()
     assert agent.stop() == 0
     assert "notify" not in agent.log.lower()
+
+
+def test_log_lines_carry_the_time_unless_stderr_is_the_journal(node):
+    # off the journal every line starts with the local time; a withdrawal is a WARNING, so
+    # that `journalctl -u gpu-agent -p warning` lists each one
+    agent = node.agent()
+    agent.wait_registered()
+    control.inject_xid(node.ctl, 2, 79)
+    agent.wait_log("unhealthy [xid=79")
+    lines = [ln for ln in agent.log.splitlines() if ln and not ln.startswith("Traceback")]
+    assert lines and all(log_level(ln) for ln in lines), lines[:5]
+    withdrawn = next(ln for ln in lines if "unhealthy [xid=79" in ln)
+    assert log_level(withdrawn) == "WARNING"
+    assert agent.stop() == 0
+    # under systemd, JOURNAL_STREAM names stderr's device and inode: the journal has the time
+    log_file = node.path("journal-stand-in.log")
+    with open(log_file, "w") as stderr:
+        st = os.fstat(stderr.fileno())
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; from agent.__main__ import main; "
+             "sys.exit(main())", "run", "--kubelet-socket", "", "--state-dir", node.state,
+             "--nvml-library", "/nonexistent/libnvidia-ml.so.1", "--kubeconfig", ""],
+            stderr=stderr, env=node.env(JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}"),
+            cwd=ROOT, timeout=60)
+    text = open(log_file).read()
+    assert proc.returncode == 1 and text.startswith("INFO agent.daemon: gpu-agent "), text

@@ -689,9 +689,10 @@ class HealthMonitor:
                     self._record(uuid, index, ids, True, why_healthy, None, None)
                 else:
                     held = self._holders(ids)
-                    log.info("GPU %d %s: unhealthy [xid=%s action=%s]: %s; withdrawn: %s; "
-                             "held by %s", index, uuid, xid, action or "isolate", reason,
-                             ", ".join(ids), ", ".join(held) or "no pod")
+                    # WARNING: `journalctl -u gpu-agent -p warning` lists every withdrawal
+                    log.warning("GPU %d %s: unhealthy [xid=%s action=%s]: %s; withdrawn: %s; "
+                                "held by %s", index, uuid, xid, action or "isolate", reason,
+                                ", ".join(ids), ", ".join(held) or "no pod")
                     self._record(uuid, index, ids, False, reason, xid, action or "isolate")
         self._file.save([f for f in self._faults.values()])
         if changes:
