@@ -289,6 +289,10 @@ class PluginServer:
         self._server: grpc.Server | None = None
         self._lock = threading.Lock()
         self._streams = 0
+        # streams opened since the last Register call: a stream of an earlier kubelet ending
+        # after we registered with a new one (two kubelet starts 150 ms apart, under load) is
+        # not the new kubelet dropping us
+        self._opened_since_register = 0
 
     def __repr__(self) -> str:
         return f"PluginServer({self.resource!r} on {self.path})"
@@ -296,11 +300,13 @@ class PluginServer:
     def streams_opened(self) -> None:
         with self._lock:
             self._streams += 1
+            self._opened_since_register += 1
 
     def streams_closed(self) -> None:
         with self._lock:
             self._streams -= 1
-            dropped = self._streams == 0 and not self.stopping
+            dropped = self._streams == 0 and not self.stopping and \
+                self._opened_since_register > 0
         if dropped and self.on_dropped is not None:
             self.on_dropped()
 
@@ -351,6 +357,8 @@ class PluginServer:
         before it answers); RegistrationError on failure."""
         request = dp.RegisterRequest(version=VERSION, endpoint=self.endpoint,
                                      resource_name=self.resource, options=self.options)
+        with self._lock:  # before the call: kubelet may open its stream before it answers
+            self._opened_since_register = 0
         channel = grpc.insecure_channel(f"unix:{kubelet_socket}", options=_CHANNEL_OPTIONS)
         try:
             dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout,

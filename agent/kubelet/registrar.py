@@ -8,7 +8,8 @@ now, never the order of past events, so a burst of events (a kubelet restart, tw
   or someone removed it);
 - a resource registers when the kubelet instance (the identity of kubelet.sock: device, inode
   and ctime) differs from the instance it last registered with, or when that instance ended
-  the resource's last ListAndWatch stream while our server kept serving (kubelet dropped us
+  the resource's last ListAndWatch stream, one opened since our last Register call (an earlier
+  kubelet's stream ending late is not a drop), while our server kept serving (kubelet dropped us
   without restarting: up to 1.36 it does so to a plugin that replaced another one of the same
   resource when the other one's stream ends, docs/install.md). Registration is immediate (no
   settle delay); a failed attempt is retried after 10 ms doubling to 5 s while kubelet.sock
