@@ -238,3 +238,12 @@ def test_bad_xid_actions_in_the_environment_name_the_variable():
         load_config({}, {"GPU_AGENT_XID_ACTIONS": "48:reset"})
     assert info.value.key == "GPU_AGENT_XID_ACTIONS"
     assert "'48:reset' is not XID=ACTION" in info.value.problem
+
+
+def test_the_status_sample_in_health_md_shows_the_default_policy_as_it_is():
+    # docs/health.md's `gpu-agent status` sample once said 1018 ignored XIDs for NVIDIA's table
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "health.md").read_text()
+    line = f"health: on (cython; {XidPolicy.build().summary()}); recovery quiet period 60 s"
+    assert line in docs.splitlines()

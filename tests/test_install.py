@@ -293,3 +293,21 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
     assert (root / "etc/gpu-agent/config.yaml.rpmsave").read_text() == operator_config
     assert state.read_bytes() == b"\x81\xa1v\x01"
     assert rpm(root, "-qa").stdout == ""
+
+
+def test_every_page_a_help_names_and_install_md_lists_is_shipped():
+    # `doctor --help` sent operators to docs/troubleshooting.md, which the package did not have
+    import re
+
+    spec = (ROOT / "packaging/rpm/gpu-agent.spec").read_text()
+    shipped = set(next(line for line in spec.splitlines()
+                       if line.startswith("%doc ")).split()[1:])
+    named = set()
+    for command in ("", "run", "status", "config", "state", "doctor", "demo", "sim"):
+        text = run_gpu_agent(*([command] if command else []), "--help").stdout
+        named |= set(re.findall(r"docs/[a-z_-]+\.md", text.replace("\n", "")))
+    assert named and named <= shipped, named - shipped
+    listed = next(line for line in (ROOT / "docs/install.md").read_text().splitlines()
+                  if line.startswith("| `/usr/share/doc/gpu-agent/` |"))
+    assert {f"docs/{name}" for name in re.findall(r"([a-z_-]+\.md)", listed)
+            if name != "README.md"} | {"README.md"} == shipped
