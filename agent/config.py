@@ -354,13 +354,17 @@ def config_json(cfg: Config) -> dict:
 # Command line.
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> Any:
+def add_run_options(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> Any:
     """Add every option's flag to `parser` (dest: the option name; None when not given) in an
-    argument group, and return the group. load_config(parser.parse_args(...)) reads them."""
+    argument group, and return the group. load_config(parser.parse_args(...)) reads them.
+    `shown`: the options --help lists (the others are taken, as run's are, but not listed)."""
     group = parser.add_argument_group(
         "configuration",
         f"Each option is also an environment variable and a config-file key; {PRECEDENCE}. "
-        f"See docs/configuration.md.",
+        f"See docs/configuration.md." + ("" if shown is None else
+                                        " The command takes run's other options too (to read "
+                                        "the same configuration); `gpu-agent run --help` "
+                                        "lists them."),
     )
     for opt in OPTIONS:
         where = f"env {opt.env}" + (f", key {opt.key}" if opt.key else "")
@@ -368,7 +372,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> Any:
             "dest": opt.name,
             "default": None,
             "metavar": opt.kind.metavar,
-            "help": f"{opt.help} ({where}; default {opt.describe_default()})".replace("%", "%%"),
+            "help": f"{opt.help} ({where}; default {opt.describe_default()})".replace("%", "%%")
+            if shown is None or opt.name in shown else argparse.SUPPRESS,
         }
         if isinstance(opt.kind, BoolKind):
             kwargs.update(nargs="?", const="true")  # --flag alone, --flag=false, --flag false
@@ -386,7 +391,7 @@ def add_state_command(sub: Any, name: str, func: Any, *, help: str,
         name, allow_abbrev=False, help=help,
         description=f"{description} Takes run's options to find the state directory "
                     f"(--state-dir, GPU_AGENT_STATE_DIR, agent.stateDir).")
-    add_run_options(p)
+    add_run_options(p, shown=("config_file", "state_dir"))
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=func)
     return p

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -1240,3 +1241,14 @@ def _fifo(directory) -> str:
     path = directory / "config.fifo"
     os.mkfifo(path)
     return str(path)
+
+
+@pytest.mark.parametrize("command", [["status"], ["state", "show"]], ids=["status", "state-show"])
+def test_a_state_commands_help_lists_its_own_options_and_still_takes_runs(tmp_path, command):
+    # 38 options of run's drowned the two that find the state directory
+    text = run_gpu_agent(*command, "--help", env=clean_env()).stdout
+    flags = set(re.findall(r"^  (--[a-z-]+)", text, re.M))
+    assert flags == {"--json", "--config", "--state-dir"}, flags  # and -h, --help
+    proc = run_gpu_agent(*command, "--state-dir", str(tmp_path), "--mig-strategy", "mixed",
+                         env=clean_env(), check=False)
+    assert "unrecognized arguments" not in proc.stderr and proc.returncode in (0, 1, 3)
