@@ -79,6 +79,7 @@ def collect(x: Any) -> Iterator[Any]:
     yield from _mps(d.mps.status()["daemons"])
     yield from _xids(d.health)
     yield from _kubernetes(d.faults)
+    yield from _threads()
     yield from _telemetry(x, gpus)
 
 def _agent(x: Any) -> Iterator[Any]:
@@ -138,6 +139,20 @@ def _mps(daemons: list) -> Iterator[Any]:
         restarts.add_metric(labels, m["restarts"])
     yield up
     yield restarts
+
+
+def _threads() -> Iterator[Any]:
+    """The process's threads (gRPC's and NVML's included), which prometheus_client's process
+    collector does not count."""
+    try:
+        with open("/proc/self/status") as f:
+            count = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    threads = GaugeMetricFamily(f"{NS}_process_threads", "Threads of the agent's process "
+                                "(/proc/self/status), gRPC's and NVML's included")
+    threads.add_metric([], count)
+    yield threads
 
 
 def _kubernetes(faults: Any) -> Iterator[Any]:
