@@ -323,6 +323,14 @@ class Registrar:
             log.debug("%s: server stopped (%s)", p.manager.resource, why)
 
     def _register(self, name: str, p: _Plugin, kubelet: Identity) -> None:
+        # Looked at again right before the call: a kubelet starting meanwhile wipes the
+        # directory, and kubelet would then dial a socket that is gone and wait on it for
+        # seconds. The next pass serves it again first.
+        if not p.server.owns_socket():
+            log.debug("%s: our socket went away just before registering; serving it first",
+                      name)
+            self._wake()
+            return
         try:
             p.server.register(self.kubelet_socket)
         except RegistrationError as exc:
