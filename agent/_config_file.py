@@ -11,6 +11,7 @@ agent.config), and must not import anything of `agent` but errors and the _confi
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -35,6 +36,7 @@ from agent.errors import ConfigError, InvalidValue
 
 VERSION = "v1"
 RESOURCE_PREFIX = "nvidia.com"
+log = logging.getLogger(__name__)
 MAX_RESOURCE_NAME = 63  # NVIDIA's limit on the full name, prefix included
 # A config file is a page or two: larger ones (or ones whose aliases expand past this many
 # values) are refused at once instead of parsed for seconds or until memory runs out.
@@ -539,20 +541,25 @@ class _Reader:
     # -- the document ---------------------------------------------------------------------
 
     def document(self, data: Any) -> FileLayer:
+        # NVIDIA's parseConfigFrom (api/config/v1/config.go) reads an empty file, or one
+        # without `version`, as version v1 ("Allow an empty config file and default to
+        # 'version: v1'", its CHANGELOG): so does this, saying so in the log.
+        said = ""  # logged once the file is read: an error is its one line
         if data is None:
-            raise self.fail("version", f"missing (required): the file is empty; a config "
-                                       f"file starts with 'version: {VERSION}'")
+            said, data = "is empty: read as 'version: {}' with nothing set", {}
         if not isinstance(data, dict):
             raise self.fail("(top level)", f"expected a mapping, got {describe(data)}")
         version = data.get("version")
-        if version is None:
-            raise self.fail("version", f"missing (required): this agent reads "
-                                       f"'version: {VERSION}' files")
-        if version != VERSION:
+        if version is None and data:
+            said = "has no version: read as 'version: {}'"
+        if version is not None and version != VERSION:
             shown = repr(version) if isinstance(version, str) else describe(version)
             raise self.fail("version", f"unsupported version {shown}; this agent reads "
                                        f"'version: {VERSION}'")
         self.walk(data, SCHEMA, "")
+        if said:
+            log.info("config file %s %s, as NVIDIA's plugin reads it", self.source,
+                     said.format(VERSION))
         return FileLayer(
             path=self.source,
             options=MappingProxyType(self.options),

@@ -13,12 +13,13 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DATA, gpu_agent_cmd, run_gpu_agent
+from conftest import DATA, ROOT, gpu_agent_cmd, run_gpu_agent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -414,17 +415,30 @@ def test_bad_flag_values_name_the_flag(name, value, problem):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("flags:\n  migStrategy: none\n",
-     "version: missing (required): this agent reads 'version: v1' files"),
     ("version: v2\n", "version: unsupported version 'v2'; this agent reads 'version: v1'"),
     ("version: 1\n", "version: unsupported version integer 1; this agent reads 'version: v1'"),
-    ("", "version: missing (required): the file is empty; a config file starts with "
-         "'version: v1'"),
     ("- version: v1\n", "(top level): expected a mapping, got a list"),
 ])
-def test_version_is_required_and_must_be_v1(tmp_path, text, message):
+def test_a_version_given_must_be_v1(tmp_path, text, message):
     got, path = file_error(tmp_path, text)
     assert got == f"{message} ({path})"
+
+
+@pytest.mark.parametrize("text, said", [
+    ("", "is empty: read as 'version: v1' with nothing set"),
+    ("# only comments\n", "is empty: read as 'version: v1' with nothing set"),
+    ("flags:\n  migStrategy: single\n", "has no version: read as 'version: v1'"),
+], ids=["empty", "comments", "no-version"])
+def test_an_empty_file_or_one_without_version_is_v1_as_nvidia_reads_it(tmp_path, caplog, text,
+                                                                        said):
+    # NVIDIA's parseConfigFrom defaults the version to v1 (its CHANGELOG: "Allow an empty
+    # config file and default to 'version: v1'"), so a file its DaemonSet loads loads here
+    path = str(tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text(text)
+    with caplog.at_level("INFO"):
+        cfg = load_config({"config_file": path}, {})
+    assert cfg.mig_strategy == ("single" if "single" in text else "none")
+    assert f"config file {path} {said}" in caplog.text
 
 
 def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
@@ -1252,3 +1266,64 @@ def test_a_state_commands_help_lists_its_own_options_and_still_takes_runs(tmp_pa
     proc = run_gpu_agent(*command, "--state-dir", str(tmp_path), "--mig-strategy", "mixed",
                          env=clean_env(), check=False)
     assert "unrecognized arguments" not in proc.stderr and proc.returncode in (0, 1, 3)
+
+
+# what makes each error line docs/configuration.md shows: (file text or None, env, flags)
+DOC_ERRORS = [
+    ("version: v1\nflags:\n  migStrategy: bogus\n", {}, []),
+    (None, {"MIG_STRATEGY": "bogus"}, []),
+    (None, {}, ["--fail-on-init-error", "maybe"]),
+    ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, bogus]\n", {}, []),
+    ("version: v1\nflags:\n  migStrateg: none\n", {}, []),
+    ("version: v1\nagent:\n  health:\n    xidAction: {48: reset}\n", {}, []),
+    ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
+     "      replicas: 1\n", {}, []),
+    ("version: v2\n", {}, []),
+    ("version: v1\nflags:\n  migStrategy: none\n  failOnInitError: true\n  migStrategy: single\n",
+     {}, []),
+    ("version: v1\nflags:\n  migStrategy: none\n  bad: x: y\n", {}, []),
+    (None, {"CONFIG_FILE": "/etc/gpu-agent/config.yaml"}, []),
+]
+
+
+def test_every_error_line_configuration_md_shows_is_what_the_code_says(tmp_path):
+    # the docs once showed an unknown-key message the code no longer wrote
+    if os.path.exists("/etc/gpu-agent/config.yaml"):
+        pytest.skip("this machine has /etc/gpu-agent/config.yaml: the last example needs none")
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    shown = [line for line in docs.splitlines() if line.startswith("gpu-agent: error: ")]
+    made = []
+    for text, env, flags in DOC_ERRORS:
+        args = list(flags)
+        if text is not None:
+            (tmp_path / "config.yaml").write_text(text)
+            args += ["--config", "config.yaml"]
+        proc = subprocess.run([sys.executable, "-m", "agent", "config", "show", *args],
+                              cwd=tmp_path, env={**clean_env(), **env,
+                                                 "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc
+        made.append(proc.stderr.strip())
+    assert made == shown
+
+
+def test_every_key_of_the_schema_is_in_the_every_key_table():
+    # the table once lacked cdiSpecDirs, devCharSymlinks, metricsAddress, nfdFeaturesFile and
+    # nvmlCallTimeout; rows name keys in full or as `.name` after a full one of the same parent
+    from agent._config_file import SCHEMA, _schema_leaves
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    table = docs.split("### Every key", 1)[1].lstrip("\n").split("\n\n", 1)[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        parent = ""
+        for key in re.findall(r"`([.\w]+)(?:\[\])?`", row.split("|")[1]):
+            if key.startswith("."):
+                listed.add(parent + key)
+            else:
+                listed.add(key)
+                parent = key.rsplit(".", 1)[0] if "." in key else key
+    leaves = {key for key, _ in _schema_leaves(SCHEMA)}
+    sections = {"resources", "sharing", "imex"}  # rows by their sub-keys
+    missing = {k for k in leaves - listed if k not in sections}
+    assert missing == set(), sorted(missing)
