@@ -237,7 +237,7 @@ class Cluster:
     def start(self) -> Cluster:
         for name in ("kubelet", "kube-apiserver", "kube-scheduler", "kube-controller-manager",
                      "etcd", "containerd", "containerd-shim-runc-v2", "crictl", "nvidia-ctk",
-                     "nvidia-device-plugin"):
+                     "nvidia-device-plugin", "kubectl"):
             self.tool(name)
         for cmd, package in (("runc", "runc"), ("openssl", "openssl"),
                              (images.BUSYBOX_BINARY, "busybox-static")):
@@ -399,6 +399,16 @@ state = "{self.path('containerd', 'state')}"
         if check and out.returncode != 0:
             raise ClusterError(f"crictl {' '.join(args)}: {out.stderr.strip()}")
         return out
+
+    def kubectl(self, *args: str, timeout: float = 60) -> str:
+        """`kubectl ARGS` as the cluster's admin (the kubectl built with this version); its
+        output, ClusterError when it fails."""
+        out = subprocess.run([self.tool("kubectl"), "--kubeconfig",
+                              self.pki.kubeconfig("admin", self.server), *args],
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout
 
     def _kubelet_config(self) -> str:
         path = self.path("kubelet.yaml")

@@ -79,6 +79,13 @@ def test_xid_79_on_a_held_gpu_is_in_describe_pod_and_node_until_the_reboot(node)
         f"GPU {index} ({uuid}) withdrawn from scheduling (reboot class): XID 79 (GPU has fallen "
         f"off the bus)")
     assert cond["reason"] == "GPUsWithdrawn"
+    # what an operator runs: kubectl describe shows the event on the pod, and the condition
+    # and the event on the node
+    described = node.cluster.kubectl("describe", "pod", "held")
+    assert "GPUWithdrawn" in described and pod_event["message"] in " ".join(described.split())
+    described = " ".join(node.cluster.kubectl("describe", "node", NODE).split())
+    assert "GPUHealthy False" in described and cond["message"] in described
+    assert node_event["message"] in described
     # the agent's log line names the pod too
     agent.wait_log(f"withdrawn: {uuid}; held by default/held/main")
     assert agent.status()["kubernetes"]["eventCounts"]["posted"] == 2
