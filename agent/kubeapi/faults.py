@@ -368,6 +368,9 @@ class FaultReporter:
             return
         self.counts["posted"] += 1
         self._tokens[obj] = (self._tokens_left(obj, now) - 1.0, now)  # spent once posted
+        if len(self._tokens) > CORRELATION_KEPT:  # forget objects whose burst is whole again
+            self._tokens = {o: t for o, t in self._tokens.items()
+                            if self._tokens_left(o, now) < SPAM_BURST}
         self._posted[key] = (namespace, name, now, 1)
         self._posted.move_to_end(key)
         while len(self._posted) > CORRELATION_KEPT:
