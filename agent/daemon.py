@@ -37,10 +37,10 @@ log = logging.getLogger(__name__)
 
 LOOP_TICK_S = 1.0
 FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
-# The settings the health monitor is built from: a reload that changes none of them (and not
-# the devices) keeps the running monitor.
 # The settings of the Kubernetes events and condition: a reload that changes one restarts them.
 FAULT_SETTINGS = ("kubeconfig", "node_name", "fault_events", "node_condition")
+# The settings the health monitor is built from: a reload that changes none of them (and not
+# the devices) keeps the running monitor.
 HEALTH_SETTINGS = ("disable_healthchecks", "enable_healthchecks", "xid_policy", "xid_actions",
                    "recovery_quiet_period", "unhealthy_devices_file", "state_dir")
 
@@ -181,9 +181,7 @@ class Daemon:
         allocation journal has them attributed (memory only: no call to kubelet)."""
         if self.state is None:
             return []
-        wanted = set(ids)
-        return sorted({"/".join(r.pod) for r in self.state.journal.records()
-                       if r.pod is not None and wanted.intersection(r.devices)})
+        return sorted({"/".join(pod) for pod in _held(self.state.holders(), ids)})
 
     # -- the Kubernetes API: fault events and the node condition ------------------------------
 
@@ -216,11 +214,11 @@ class Daemon:
 
         if not self.cfg.pod_resources_socket:
             return []
-        wanted = set(ids)
+        from agent.state.reconcile import holders_listed  # loaded with the journal by then
+
         client = PodResourcesClient(self.cfg.pod_resources_socket)
         try:
-            return sorted({(p.namespace, p.name, p.container) for p in client.list()
-                           if wanted.intersection(p.device_ids)})
+            return sorted(_held(holders_listed(client.list()), ids))
         finally:
             client.close()
 
@@ -372,6 +370,14 @@ class Daemon:
                 n in registered and registered[n].registered for n in self.resources.managers):
             self._send_ready()
         self.publisher.publish(self)
+
+
+def _held(holders: Mapping[tuple[str, str], list], ids: list[str]) -> set[tuple[str, str, str]]:
+    """The containers in `holders` (agent.state.reconcile.Holders) that hold any of device
+    `ids` (of whichever resource)."""
+    wanted = set(ids)
+    return {pod for (_, device_id), pods in holders.items() if device_id in wanted
+            for pod in pods}
 
 
 def run(args: Any, environ: Mapping[str, str] | None = None) -> int:

@@ -64,12 +64,7 @@ def summary(d: Any) -> str:
 def document(d: Any) -> dict:
     """The status document of daemon `d` (STATE_DIR/status.json)."""
     registrations = d.registrar.status() if d.registrar is not None else {}
-    held: dict[str, list[str]] = {}  # device ID -> namespace/pod/container, from the journal
-    if d.state is not None:
-        for r in d.state.journal.records():
-            if r.pod is not None:
-                for device_id in r.devices:
-                    held.setdefault(device_id, []).append("/".join(r.pod))
+    held = d.state.holders() if d.state is not None else {}  # from the journal, no kubelet
     resources = []
     for name, m in d.resources.managers.items():
         r = registrations.get(name)
@@ -82,7 +77,8 @@ def document(d: Any) -> dict:
             "devices": [{"id": h.device.id, "index": h.device.gpu_index,
                          "uuid": h.device.gpu_uuid, "numaNode": h.device.numa_node,
                          "healthy": h.healthy, "reason": h.reason,
-                         "heldBy": sorted(held.get(h.device.id, ()))}
+                         "heldBy": sorted("/".join(pod)
+                                          for pod in held.get((name, h.device.id), ()))}
                         for h in m.snapshot().devices],
         })
     cfg = d.cfg

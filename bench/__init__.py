@@ -76,6 +76,14 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[rank]
 
 
+def ratio_row(what: str, samples_s: list[float], base_s: float, decimals: int = 0) -> list[str]:
+    """A table row: `what`, the sample count, median and p99 in ms with `decimals`, and the
+    median's ratio to `base_s` (a reference measured in the same run)."""
+    med = percentile(samples_s, 50)
+    return [what, str(len(samples_s)), f"{med * 1e3:.{decimals}f} ms",
+            f"{percentile(samples_s, 99) * 1e3:.{decimals}f} ms", f"{med / base_s:.2f}×"]
+
+
 def summarize(samples_s: list[float]) -> tuple[float, float]:
     """(median, p99) of samples given in seconds, returned in microseconds."""
     return statistics.median(samples_s) * 1e6, percentile(samples_s, 99) * 1e6

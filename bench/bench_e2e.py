@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from bench import Section, percentile
+from bench import Section, percentile, ratio_row
 from tests.e2e.cluster import Cluster, pinned, versions
 from tests.e2e.conftest import E2ENode
 
@@ -35,12 +35,6 @@ def _started(node: E2ENode, name: str, resources: dict | None) -> float:
 
 def _series(node: E2ENode, prefix: str, resources: dict | None) -> list[float]:
     return [_started(node, f"{prefix}-{i}", resources) for i in range(PODS)]
-
-
-def _row(what: str, times: list[float], floor: float) -> list[str]:
-    med = percentile(times, 50)
-    return [what, str(len(times)), f"{med * 1000:.0f} ms", f"{percentile(times, 99) * 1000:.0f} ms",
-            f"{med / floor:.2f}×"]
 
 
 def run() -> Section:
@@ -75,9 +69,10 @@ def run() -> Section:
     finally:
         cluster.stop()
     base = percentile(floor, 50)
-    section.rows.append(_row("no plugin (the pod asks for no GPU)", floor, base))
-    section.rows.append(_row("gpu-agent", agent, base))
-    section.rows.append(_row(f"NVIDIA's k8s-device-plugin {NVIDIA_VERSION}", nvidia, base))
+    section.rows.append(ratio_row("no plugin (the pod asks for no GPU)", floor, base))
+    section.rows.append(ratio_row("gpu-agent", agent, base))
+    section.rows.append(ratio_row(f"NVIDIA's k8s-device-plugin {NVIDIA_VERSION}", nvidia,
+                                  base))
     section.notes.append(
         f"NVIDIA's plugin is {NVIDIA_VERSION}, the newest the Go module proxy serves (v0.20.0 "
         "is refused), configured as gpu-agent is here: the envvar strategy with "

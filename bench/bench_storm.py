@@ -17,7 +17,7 @@ import time
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim import control
-from bench import Section, percentile
+from bench import Section, percentile, ratio_row
 from tests.e2e.cluster import Cluster, versions
 from tests.e2e.conftest import E2ENode, profile_gpus
 
@@ -44,12 +44,6 @@ def _storm(ctl: str, index: int) -> None:
     for second in range(int(WINDOW_S)):
         control.inject_xids(ctl, [(index, 48)] * (XIDS // int(WINDOW_S)))
         time.sleep(max(0.0, begin + second + 1 - time.monotonic()))  # the storm's pace
-
-
-def _row(what: str, times: list[float], base: float) -> list[str]:
-    med = percentile(times, 50)
-    return [what, str(len(times)), f"{med * 1e3:.2f} ms", f"{percentile(times, 99) * 1e3:.2f} ms",
-            f"{med / base:.2f}×"]
 
 
 def run() -> Section:
@@ -94,8 +88,9 @@ def run() -> Section:
     finally:
         cluster.stop()
     base = percentile(quiet, 50)
-    section.rows.append(_row("quiet", quiet, base))
-    section.rows.append(_row(f"{XIDS} XIDs in {WINDOW_S:g} s on another GPU", stormy, base))
+    section.rows.append(ratio_row("quiet", quiet, base, 2))
+    section.rows.append(ratio_row(f"{XIDS} XIDs in {WINDOW_S:g} s on another GPU", stormy,
+                                  base, 2))
     made = {k: after[k] - before[k] for k in after}
     section.notes.append(
         f"Events the storm made: {made['posted']} posted, {made['counted']} counted on one "

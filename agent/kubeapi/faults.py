@@ -192,8 +192,9 @@ class FaultReporter:
                 taken = list(self._transitions)
                 self._transitions.clear()
             try:
-                for transition in taken:
-                    self._queue(self._events_of(transition))
+                if self.events_on:  # (the condition is read from gpus_out(), not these)
+                    for transition in taken:
+                        self._queue(self._events_of(transition))
                 if time.monotonic() >= self._retry_at:
                     self._send()
             except Exception:  # noqa: BLE001 - the loop boundary: log once, go on
@@ -205,8 +206,6 @@ class FaultReporter:
         return bool(self._pending or self._dirty) and time.monotonic() >= self._retry_at
 
     def _queue(self, events: list[Event]) -> None:
-        if not self.events_on:
-            return
         for event in events:
             if len(self._pending) >= QUEUE_MAX:
                 self.counts["dropped"] += 1
@@ -230,8 +229,6 @@ class FaultReporter:
         action = t.get("action") or "isolate"
         events = [Event("Node", "", self.node, "Warning", WITHDRAWN,
                         f"{gpu} withdrawn from scheduling ({action} class): {t['reason']}", now)]
-        if not self.events_on:
-            return events
         try:
             held = self.holders(list(t["devices"]))
         except AgentError as exc:

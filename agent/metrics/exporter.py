@@ -25,6 +25,7 @@ from agent.constants import TELEMETRY_BUDGET_S
 from agent.errors import NvmlNotAnswering, PodResourcesError
 from agent.nvml.guard import GUARD
 from agent.nvml.telemetry import TelemetryReader
+from agent.state.reconcile import Holders, holders_listed
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,10 @@ class Exporter:
                 self.last_duration = time.monotonic() - started
                 self.on_scrape()
 
-    def holders(self) -> dict[tuple[str, str], list[tuple[str, str, str]]]:
+    def holders(self) -> Holders:
         """(resource, device ID) -> the containers holding it: podresources now, else the
         journal's attributed records."""
-        cfg, holders = self.d.cfg, {}
+        cfg = self.d.cfg
         listing = None
         if cfg.pod_resources_socket:
             from agent.kubelet.podresources import PodResourcesClient
@@ -118,16 +119,8 @@ class Exporter:
             except PodResourcesError as exc:
                 log.debug("metrics: podresources: %s; using the journal's attributions", exc)
         if listing is not None:
-            for p in listing:
-                for device_id in p.device_ids:
-                    holders.setdefault((p.resource, device_id), []).append(
-                        (p.namespace, p.name, p.container))
-        elif self.d.state is not None:
-            for r in self.d.state.journal.records():
-                if r.pod is not None:
-                    for device_id in r.devices:
-                        holders.setdefault((r.resource, device_id), []).append(tuple(r.pod))
-        return holders
+            return holders_listed(listing)
+        return self.d.state.holders() if self.d.state is not None else {}
 
     def read(self, gpus: dict[str, int]) -> dict[str, Any]:
         """uuid -> reading for the GPUs that answered within the budget."""

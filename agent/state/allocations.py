@@ -18,6 +18,7 @@ from agent.constants import DEFAULT_ENDED_POD_GRACE_S
 from agent.errors import AgentError
 from agent.host import boot_id
 from agent.state.journal import JOURNAL_FILE, Journal
+from agent.state.reconcile import Holders, holders_recorded
 from agent.state.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class AllocationState:
 
     def status(self) -> dict:
         return {**self.journal.status(), "podResources": self.reconciler.status()}
+
+    def holders(self) -> Holders:
+        """Who holds each device, as the journal's attributed records say (memory only)."""
+        return holders_recorded(self.journal.records())
 
     @property
     def problem(self) -> str:

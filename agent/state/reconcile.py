@@ -4,8 +4,10 @@ Owns: the rules, as a pure function of plain data (`reconcile`): the records, wh
 podresources List reported (`PodDevices`, or None when it could not be asked), the GPUs on the
 host now (or None before discovery), the checkpoint key strategy, this boot's ID and the time.
 It returns an `Outcome`: the records kept (attributed, re-keyed, adopted), those dropped with
-the reason, and what changed. Must not talk to kubelet, NVML or files; agent.kubelet.podresources
-asks kubelet and agent.state.journal applies the outcome.
+the reason, and what changed. Also who holds each device, from a listing or from the records
+(`holders_listed`, `holders_recorded`: the metrics, the status and the fault events read it).
+Must not talk to kubelet, NVML or files; agent.kubelet.podresources asks kubelet and
+agent.state.journal applies the outcome.
 
 The rules (docs/state.md says them for operators):
 1. GPUs (when the advertised devices are known): under key `uuid` a record's GPU is found by
@@ -58,6 +60,30 @@ class PodDevices(NamedTuple):
     @property
     def pod(self) -> PodRef:
         return PodRef(self.namespace, self.name, self.container)
+
+
+# (resource, device ID) -> the containers holding it: (namespace, pod, container) each
+Holders = dict[tuple[str, str], list[tuple[str, str, str]]]
+
+
+def holders_listed(listing: Iterable[PodDevices]) -> Holders:
+    """Who holds each device, as a podresources listing says now."""
+    out: Holders = {}
+    for p in listing:
+        for device_id in p.device_ids:
+            out.setdefault((p.resource, device_id), []).append((p.namespace, p.name,
+                                                                p.container))
+    return out
+
+
+def holders_recorded(records: Iterable[Record]) -> Holders:
+    """Who holds each device, as the records attributed to pods say (no kubelet call)."""
+    out: Holders = {}
+    for r in records:
+        if r.pod is not None:
+            for device_id in r.devices:
+                out.setdefault((r.resource, device_id), []).append(tuple(r.pod))
+    return out
 
 
 @dataclass(frozen=True)

@@ -39,21 +39,27 @@ def _condition(node, status: str, text: str = ""):
     return c if c and c["status"] == status and text in c["message"] else None
 
 
-def _held_gpu(node, pod: str) -> tuple[int, str]:
-    uuid = node.assigned(pod)[0]
-    return next(g["index"] for g in profile_gpus() if g["uuid"] == uuid), uuid
+def _ready(node) -> None:
+    """The agent's 8 GPUs in kubelet, and its condition set True at start."""
+    node.wait_allocatable(8)
+    _until(lambda: _condition(node, "True"), "GPUHealthy=True at start")
+
+
+def _pod_on_a_gpu(node, name: str) -> tuple[int, str, str]:
+    """A running pod `name` holding one GPU: (the GPU's index, its UUID, the pod's UID)."""
+    node.create_pod(name, {GPU: 1})
+    node.wait_running(name)
+    uuid = node.assigned(name)[0]
+    index = next(g["index"] for g in profile_gpus() if g["uuid"] == uuid)
+    return index, uuid, node.pod(name)["metadata"]["uid"]
 
 
 def test_xid_79_on_a_held_gpu_is_in_describe_pod_and_node_until_the_reboot(node):
     boot_id = node.config("boot-1\n", "boot_id")
     env = {"GPU_AGENT_BOOT_ID_FILE": boot_id}
     agent = node.agent("dgx1-v100", env=env)  # as the node: the kubelet's kubeconfig
-    node.wait_allocatable(8)
-    _until(lambda: _condition(node, "True"), "GPUHealthy=True at start")
-    node.create_pod("held", {GPU: 1})
-    node.wait_running("held")
-    index, uuid = _held_gpu(node, "held")
-    uid = node.pod("held")["metadata"]["uid"]
+    _ready(node)
+    index, uuid, uid = _pod_on_a_gpu(node, "held")
     # `gpu-agent status` names the pod on its GPU once the journal matched it to podresources
     agent.status_when(lambda d: any(
         dev["uuid"] == uuid and dev["heldBy"] == ["default/held/main"]
@@ -105,12 +111,8 @@ def test_xid_79_on_a_held_gpu_is_in_describe_pod_and_node_until_the_reboot(node)
 def test_an_xid_storm_makes_a_handful_of_events_with_the_shipped_rbac(node):
     agent = node.agent("dgx1-v100", "--recovery-quiet-period", "2s",
                        kubeconfig=node.agent_identity())
-    node.wait_allocatable(8)
-    _until(lambda: _condition(node, "True"), "GPUHealthy=True at start")
-    node.create_pod("storm", {GPU: 1})
-    node.wait_running("storm")
-    index, uuid = _held_gpu(node, "storm")
-    uid = node.pod("storm")["metadata"]["uid"]
+    _ready(node)
+    index, uuid, uid = _pod_on_a_gpu(node, "storm")
 
     def ours() -> list[dict]:  # gpu-agent's events on the Node and the pod (not kubelet's)
         return [e for e in node.events("Node", NODE, NODE) + node.events("Pod", "storm", uid)
@@ -142,8 +144,7 @@ def _allocate(node, agent, uuid: str) -> dp.AllocateResponse:
 def test_the_api_server_down_30_s_delays_no_withdrawal_or_allocate_and_is_caught_up(node):
     cluster = node.cluster
     agent = node.agent("dgx1-v100", kubeconfig=node.agent_identity())
-    node.wait_allocatable(8)
-    _until(lambda: _condition(node, "True"), "GPUHealthy=True at start")
+    _ready(node)
     gpus = profile_gpus()
 
     cluster.stop_apiserver()
