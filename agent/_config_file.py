@@ -240,6 +240,10 @@ SCHEMA: dict = {
         "nodeName": OPTION,
         "faultEvents": OPTION,
         "nodeCondition": OPTION,
+        "configDir": OPTION,
+        "nodeLabel": OPTION,
+        "defaultConfig": OPTION,
+        "fallbackStrategies": OPTION,
         "health": {
             "disableHealthchecks": OPTION,
             "enableHealthchecks": OPTION,

@@ -281,6 +281,26 @@ class ConfigFileKind(Kind):
         return value
 
 
+class ConfigNameKind(Kind):
+    """The name of a config in the named-config directory, as a node label value may hold it
+    (at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter or digit),
+    or "" for none."""
+
+    metavar = "NAME"
+    text_form = "config name, empty for none"
+
+    def check(self, value: str) -> str:
+        if value and not CONFIG_NAME.fullmatch(value):
+            raise InvalidValue(f"{value!r} is not a config name (a node label value: at most 63 "
+                               f"letters, digits, '-', '_' and '.', starting and ending with a "
+                               f"letter or digit)")
+        return value
+
+
+# A Kubernetes label value (k8s.io/apimachinery validation.IsValidLabelValue), non-empty.
+CONFIG_NAME = re.compile(r"(?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
 class StringListKind(Kind):
     """A string or a list of non-empty strings (NVIDIA's cdiFeatureFlags)."""
 

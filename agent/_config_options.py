@@ -17,6 +17,7 @@ from agent._config_kinds import (
     ChoiceKind,
     ChoiceListKind,
     ConfigFileKind,
+    ConfigNameKind,
     IntervalKind,
     Kind,
     ListenAddressKind,
@@ -34,11 +35,13 @@ from agent.constants import (
     DEFAULT_ALLOCATION_POLICY,
     DEFAULT_CDI_ANNOTATION_PREFIX,
     DEFAULT_CDI_SPEC_DIRS,
+    DEFAULT_CONFIG_DIR,
     DEFAULT_DEV_CHAR_SYMLINKS,
     DEFAULT_DEVICE_ID_STRATEGY,
     DEFAULT_DEVICE_LIST_STRATEGIES,
     DEFAULT_DRIVER_ROOT,
     DEFAULT_ENDED_POD_GRACE_S,
+    DEFAULT_FALLBACK_STRATEGIES,
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBECONFIG,
@@ -48,6 +51,7 @@ from agent.constants import (
     DEFAULT_MIG_STRATEGY,
     DEFAULT_MPS_ROOT,
     DEFAULT_NFD_FEATURES_FILE,
+    DEFAULT_NODE_LABEL,
     DEFAULT_NVML_CALL_TIMEOUT_S,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_RECONCILE_INTERVAL_S,
@@ -57,8 +61,10 @@ from agent.constants import (
     DEFAULT_XID_POLICY,
     DEVICE_ID_STRATEGIES,
     DEVICE_LIST_STRATEGIES,
+    FALLBACK_STRATEGIES,
     MIG_STRATEGIES,
     MPS_CONTROL,
+    NAMED_CONFIG_FALLBACK,
     NVML_SONAME,
     REPLICA_ALLOCATION_POLICIES,
     XID_POLICIES,
@@ -315,7 +321,41 @@ OPTIONS: tuple[Option, ...] = (
         f"keep the Node condition {CONDITION_TYPE}: False naming the GPUs withdrawn and why, "
         "True when all are in",
     ),
+    # Per-node configs (docs/configuration.md): as NVIDIA's config-manager chooses one, with its
+    # environment variable names. Read from the flags, the environment and the config file
+    # named by --config only: a named config cannot move the choice that chose it.
+    Option(
+        "config_dir", "--config-dir", "CONFIG_FILE_SRCDIR", "agent.configDir",
+        PathKind(empty="no named configs"), DEFAULT_CONFIG_DIR,
+        "the directory of named configs (NAME.yaml, or NAME as a ConfigMap mounts it); when it "
+        "holds any, the node label chooses the one used in place of --config; empty or no "
+        "such directory: none", aliases=("--config-file-srcdir",),
+    ),
+    Option(
+        "node_label", "--node-label", "NODE_LABEL", "agent.nodeLabel", TextKind(),
+        DEFAULT_NODE_LABEL,
+        "the label of this Node whose value names the config to use (read and watched through "
+        "the kubeconfig; a change applies at once, as SIGHUP)",
+    ),
+    Option(
+        "default_config", "--default-config", "DEFAULT_CONFIG", "agent.defaultConfig",
+        ConfigNameKind(), "",
+        "the named config of a node without the label (NVIDIA's config.default); empty: the "
+        "fallback strategies choose", default_text="none",
+    ),
+    Option(
+        "fallback_strategies", "--fallback-strategies", "FALLBACK_STRATEGIES",
+        "agent.fallbackStrategies", ChoiceListKind(*FALLBACK_STRATEGIES),
+        DEFAULT_FALLBACK_STRATEGIES,
+        f"with no label and no default config, tried in order: named (the config "
+        f"'{NAMED_CONFIG_FALLBACK}'), single (the only config there is), empty (the --config "
+        f"file, or none); when all fail, the --config file",
+    ),
 )
+
+# The options that choose the named config: they keep the values the flags, the environment and
+# the --config file give them whichever config is chosen.
+SELECTION_OPTIONS = ("config_dir", "node_label", "default_config", "fallback_strategies")
 
 OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 OPTIONS_BY_KEY = {opt.key: opt for opt in OPTIONS if opt.key}

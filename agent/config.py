@@ -32,7 +32,14 @@ from agent._config_file import (
     read_file,
 )
 from agent._config_kinds import BoolKind, ChoiceListKind
-from agent._config_options import OPTIONS, OPTIONS_BY_KEY, Option
+from agent._config_named import NONE, Choice, choose, named_configs
+from agent._config_options import (
+    OPTIONS,
+    OPTIONS_BY_KEY,
+    OPTIONS_BY_NAME,
+    SELECTION_OPTIONS,
+    Option,
+)
 from agent.constants import DEFAULT_MPS_ROOT, MPS_CONTROL, NVML_SONAME
 from agent.errors import ConfigError, InvalidValue
 
@@ -108,6 +115,10 @@ class Config(NamedTuple):
     node_name: str  # this node's name in Kubernetes; "": the host name
     fault_events: bool  # Events on the Node and the holding pods when a GPU flips
     node_condition: bool  # the Node condition GPUHealthy
+    config_dir: str  # named configs (agent._config_named); "": none
+    node_label: str  # the Node label naming this node's config
+    default_config: str  # the named config without the label; "": the fallbacks choose
+    fallback_strategies: tuple[str, ...]  # named | single | empty, in order
     resources: Resources
     sharing: Sharing
     imex: Imex
@@ -115,6 +126,7 @@ class Config(NamedTuple):
     # e.g. {"flags.gdsEnabled": True}; later layers may act on them or refuse them.
     compat: Mapping[str, Any]
     sources: Mapping[str, Source]
+    choice: Choice = NONE  # the named config in use (its file is config_file), or none
 
     def source(self, name: str) -> Source:
         """The source of an option (by name or key), a section, or a compat key."""
@@ -183,7 +195,8 @@ def _from_text(opt: Option, raw: Any, key: str, where: str) -> Any:
         raise ConfigError(key + exc.subkey, exc.problem, where) from None
 
 
-def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> Config:
+def load_config(args: Any = None, environ: Mapping[str, str] | None = None,
+                label: str | None = None) -> Config:
     """The effective configuration from flags, environment and config file.
 
     `args`: an argparse.Namespace from a parser given `add_run_options`, or a mapping from
@@ -192,6 +205,10 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> C
     environment (default os.environ). The config file is named by --config / CONFIG_FILE.
     Every value given is checked, including ones a higher layer overrides; the first problem
     raises ConfigError naming the flag, the env var or the file's key path.
+
+    When the named-config directory holds configs, the one chosen for a node whose label has
+    the value `label` (None: unlabelled, or not known) is read in place of the config file
+    (agent._config_named); the options that choose keep their values from the config file.
     """
     given = _given(args)
     environ = os.environ if environ is None else environ
@@ -206,7 +223,27 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None) -> C
                              Source("env", opt.env))
     path, source = flags.get("config_file") or env.get("config_file") or ("", DEFAULT)
     layer = read_file(path, f"from {source.name}") if path else None
-    return _build(flags, env, layer, source)
+    base = _build(flags, env, layer, source)
+    choice = choose(base.config_dir, base.node_label, label, base.default_config,
+                    base.fallback_strategies)
+    if not choice.path:
+        return base._replace(choice=choice)
+    named = read_file(choice.path, f"chosen by {choice.why}")
+    for name in SELECTION_OPTIONS:
+        key = OPTIONS_BY_NAME[name].key
+        if key in named.options:
+            raise ConfigError(key, "chooses the named config, so it is read from the --config "
+                                   "file, the environment or a flag; remove it here",
+                              choice.path)
+    cfg = _build(flags, env, named, Source("named config", choice.name, choice.why))
+    kept = {name: getattr(base, name) for name in SELECTION_OPTIONS}
+    sources = {**cfg.sources, **{name: base.sources[name] for name in SELECTION_OPTIONS}}
+    return cfg._replace(**kept, choice=choice, sources=MappingProxyType(sources))
+
+
+def has_named_configs(cfg: Config) -> bool:
+    """Whether the named-config directory holds configs now (a label then chooses one)."""
+    return bool(cfg.config_dir) and bool(named_configs(cfg.config_dir))
 
 
 def check_config_file(path: str) -> Config:

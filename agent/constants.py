@@ -114,3 +114,12 @@ DEFAULT_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
 EVENT_COMPONENT = "gpu-agent"
 # The Node condition the agent keeps: False while a GPU is withdrawn, True when all are in.
 CONDITION_TYPE = "GPUHealthy"
+
+# -- per-node configs, chosen by a node label (agent._config_named, agent.kubeapi.nodelabel) ----
+# NVIDIA's config-manager (cmd/config-manager/main.go): the label naming the config, the name a
+# config is looked for under when the node has no label ("named" fallback), the fallbacks.
+DEFAULT_CONFIG_DIR = "/etc/gpu-agent/config.d"
+DEFAULT_NODE_LABEL = "nvidia.com/device-plugin.config"
+NAMED_CONFIG_FALLBACK = "default"
+FALLBACK_STRATEGIES = ("named", "single", "empty")
+DEFAULT_FALLBACK_STRATEGIES = ("named", "single")  # the Helm chart's config.fallbackStrategies

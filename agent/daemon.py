@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent import __version__, gcpause, status
-from agent.config import Config, check_supported, load_config
-from agent.errors import ConfigError, InitError, MigLayoutError
+from agent.config import Config, check_supported, has_named_configs, load_config
+from agent.errors import AgentError, ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
 from agent.kubelet.registrar import Registrar
 from agent.mps.daemons import MpsDaemons
@@ -65,6 +65,8 @@ class Daemon:
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
         self.services = Services(self, on_change=self._wake)  # /dev/char, metrics, labels
         self.faults: Any = None  # events and the node condition, agent.kubeapi.faults
+        self.label_watch: Any = None  # the label choosing a named config, agent.kubeapi.nodelabel
+        self._label_changed = False
         self.reloads = 0
         self.last_error = ""
         self.ready_sent = False
@@ -78,11 +80,14 @@ class Daemon:
     def run(self) -> int:
         self._waiter = Waiter()
         try:
-            self.cfg = load_config(self.args, self.environ)
+            self.cfg = self._load_config()
             check_supported(self.cfg)
             log.info("gpu-agent %s starting (pid %d); config file: %s", __version__,
                      os.getpid(), self.cfg.config_file or "none")
             self._warn_ignored(self.cfg)
+            self.last_error = self.cfg.choice.problem
+            if self.label_watch is not None:
+                self.label_watch.start()
             GUARD.while_waiting = (threading.get_ident(), self._watchdog)  # this thread's
             try:  # health.json and the journal live there
                 os.makedirs(self.cfg.state_dir, mode=0o755, exist_ok=True)
@@ -222,6 +227,59 @@ class Daemon:
         finally:
             client.close()
 
+    # -- the config: files, and the node label that chooses a named one ----------------------
+
+    def _load_config(self) -> Config:
+        """The config from the flags, the environment and the config file, or the named config
+        the node's label chooses (agent._config_named) when there are named configs; the label
+        is read (and watched) only then."""
+        base = load_config(self.args, self.environ)
+        self._watch_label(base)
+        cfg = base
+        if self.label_watch is not None:
+            cfg = load_config(self.args, self.environ, label=self.label_watch.value)
+        choice = cfg.choice
+        if choice.name or choice.problem:
+            log.info("named config: %s (%s)", choice.name or "none, the --config file",
+                     choice.why)
+        if choice.problem:
+            log.error("%s", choice.problem)
+        return cfg
+
+    def _watch_label(self, cfg: Config) -> None:
+        """Watch the node label when named configs and a kubeconfig are there; the label is
+        read now (the start waits for it briefly: at most nodelabel.READ_TIMEOUT_S)."""
+        from agent.kubeapi.faults import node_name
+
+        wanted = None
+        if cfg.kubeconfig and has_named_configs(cfg):
+            wanted = (cfg.kubeconfig, node_name(cfg.node_name), cfg.node_label)
+        watch = self.label_watch
+        if watch is not None and (watch.kubeconfig, watch.node, watch.label) == wanted:
+            return
+        if watch is not None:
+            watch.stop()
+            self.label_watch = None
+        if wanted is None:
+            return
+        from agent.kubeapi.nodelabel import NodeLabelWatch
+
+        watch = NodeLabelWatch(kubeconfig=wanted[0], node=wanted[1], label=wanted[2],
+                               on_change=self._on_label)
+        try:
+            watch.prime()
+        except AgentError as exc:
+            log.warning("node label %s not read (%s): the config of a node without it until "
+                        "it is", wanted[2], exc)
+        self.label_watch = watch
+        if self.phase != "starting":
+            watch.start()  # (at start, once the config is known good)
+
+    def _on_label(self, value: str) -> None:
+        """From the label's thread: the value changed; the loop reloads."""
+        self._label_changed = True
+        self._wake()
+
     # -- the loop ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -240,6 +298,9 @@ class Daemon:
             self._on_signals(self._waiter.wait(timeout))
             if self.stop_requested:
                 return
+            if self._label_changed:
+                self._label_changed = False
+                self._reload(f"node label {self.label_watch.label}={self.label_watch.value!r}")
             self._watchdog()
             now = time.monotonic()
             if self.nvml.retry_at is not None and now >= self.nvml.retry_at:
@@ -272,16 +333,17 @@ class Daemon:
                 self.stop_requested = True
                 return
             if signum == signal.SIGHUP:
-                self._reload()
+                self._reload("SIGHUP")
 
-    def _reload(self) -> None:
-        """SIGHUP: re-read the config and apply it while every server keeps serving."""
+    def _reload(self, cause: str) -> None:
+        """SIGHUP, or the node label changed: re-read the config and apply it while every
+        server keeps serving."""
         self.notifier.reloading()
         self.phase = "reloading"
-        log.info("SIGHUP: reloading the configuration (config file: %s)",
+        log.info("%s: reloading the configuration (config file: %s)", cause,
                  self.cfg.config_file or "none")
         try:
-            new = load_config(self.args, self.environ)
+            new = self._load_config()
             check_supported(new)
             if self.nvml.up:  # a MIG layout the new strategy refuses keeps the old one
                 self.resources.device_map(self.resources.gpus, new)
@@ -308,7 +370,7 @@ class Daemon:
         self._warn_ignored(new)
         old, self.cfg = self.cfg, new
         self.reloads += 1
-        self.last_error = ""
+        self.last_error = new.choice.problem
         self.state.reconfigure(keyed_by=new.checkpoint_device_id_strategy,
                                socket_path=new.pod_resources_socket,
                                period=new.reconcile_interval,
@@ -339,6 +401,8 @@ class Daemon:
             self.health.stop()
         if self.faults is not None:
             self.faults.stop()  # what is still queued is dropped: the agent is going away
+        if self.label_watch is not None:
+            self.label_watch.stop()
         self.mps.stop()  # the daemons go on serving their clients
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets

@@ -90,6 +90,10 @@ def document(d: Any) -> dict:
         "started": d.started,
         "updated": time.time(),
         "configFile": cfg.config_file if cfg else None,
+        "namedConfig": {"name": cfg.choice.name, "why": cfg.choice.why,
+                        "problem": cfg.choice.problem,
+                        "label": d.label_watch.status() if d.label_watch is not None else None}
+        if cfg and (cfg.choice.path or cfg.choice.problem or d.label_watch is not None) else None,
         "kubeletSocket": cfg.kubelet_socket if cfg else None,
         "nvml": {"up": d.nvml.up, "library": d.nvml.path, "error": d.nvml.error,
                  "attempts": d.nvml.attempts},
@@ -224,6 +228,11 @@ def format_status(doc: dict) -> str:
              f"summary: {doc.get('summary')}",
              f"config file: {doc.get('configFile') or 'none'}; kubelet socket: "
              f"{doc.get('kubeletSocket') or 'none'}"]
+    named = doc.get("namedConfig")
+    if named:
+        lines.append(f"named config: {named['name'] or 'none'} ({named['why']})"
+                     + (f"; {named['problem']}" if named["problem"] else "")
+                     + (f"; node label API: {named['label']['api']}" if named["label"] else ""))
     nvml = doc.get("nvml", {})
     lines.append(f"NVML: {'up' if nvml.get('up') else 'down'} ({nvml.get('library') or '-'})"
                  + (f": {nvml['error']}" if nvml.get("error") else ""))

@@ -84,6 +84,8 @@ class Node:
         # the kubeconfig of the API server for events and the node condition: not created
         # here (the agent waits for it), a test that wants one writes it (tests/kube_api.py)
         self.kubeconfig = os.path.join(self.root, "kubeconfig")
+        # the named configs a node label chooses from (agent._config_named): not created here
+        self.config_dir = os.path.join(self.root, "config.d")
         # the node's CDI spec directories, standing in for /etc/cdi and /var/run/cdi (not created)
         self.cdi_dirs = (os.path.join(self.root, "etc-cdi"), os.path.join(self.root, "run-cdi"))
         # the agent's NFD label file (agent.rm.labels), standing in for NFD's features.d
@@ -121,7 +123,8 @@ class Node:
         """`gpu-agent run` on this node; with `services`, the metrics endpoint on a free
         loopback port and the label file under this node (not the config's to choose)."""
         argv = ["run", "--state-dir", self.state, "--unhealthy-devices-file", self.isolation,
-                "--cdi-spec-dirs", ",".join(self.cdi_dirs), "--kubeconfig", self.kubeconfig]
+                "--cdi-spec-dirs", ",".join(self.cdi_dirs), "--kubeconfig", self.kubeconfig,
+                "--config-dir", self.config_dir]
         if services:
             argv += ["--metrics-address", "127.0.0.1:0", "--nfd-features-file",
                      self.features_file]

@@ -1,7 +1,10 @@
 """The Kubernetes API server for the fast tests of agent.kubeapi: plain HTTP on loopback, with
 a bearer token, serving only what the agent asks of the real one (tests/e2e checks it there):
 create and patch Events, read a Pod and the Node, patch the Node's status with a strategic
-merge patch of its conditions (merged by `type`, as the real server merges them).
+merge patch of its conditions (merged by `type`, as the real server merges them), and watch
+the Node (one JSON event per line from the resourceVersion asked, as the real server streams
+them; `label()` changes a label as `kubectl label` does, `end_watches()` ends every watch as
+the server does after timeoutSeconds).
 
 A test stops and starts it on the same port (the API server down for a while), refuses paths
 (RBAC's 403), and waits for what it received: `wait(predicate)` follows each request, never a
@@ -11,8 +14,10 @@ fixed sleep. Every request is kept in `requests` (method, path, body).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -30,6 +35,10 @@ class KubeApi:
         self.conditions: dict[str, dict] = {}  # the Node's, by type
         self.requests: list[tuple[str, str, Any]] = []
         self.refuse: set[str] = set()  # path prefixes answered 403
+        self.labels: dict[str, str] = {}  # the Node's
+        self.version = 1  # the Node's resourceVersion
+        self._history: list[tuple[int, dict]] = []  # (version, watch event) of each change
+        self._watchers: list[queue.Queue] = []
         self._cv = threading.Condition()
         self._server: ThreadingHTTPServer | None = None
         self.port = 0
@@ -45,6 +54,9 @@ class KubeApi:
                 pass
 
             def _serve(self) -> None:
+                if self.command == "GET" and "watch=1" in self.path:
+                    self._watch()
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 if self.headers.get("Authorization") != f"Bearer {TOKEN}":
@@ -59,6 +71,26 @@ class KubeApi:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _watch(self) -> None:
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    self.send_error(401)
+                    return
+                events = api._watch(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()  # no length: the answer ends when the connection closes
+                try:
+                    while True:
+                        event = events.get()
+                        if event is None:
+                            return
+                        self.wfile.write(json.dumps(event).encode() + b"\n")
+                        self.wfile.flush()
+                except OSError:
+                    return  # the agent closed it
+                finally:
+                    api._unwatch(events)
+
             do_GET = do_POST = do_PATCH = _serve
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
@@ -68,6 +100,7 @@ class KubeApi:
 
     def stop(self) -> None:
         """Down: connections refused until `start()` (the same port)."""
+        self.end_watches()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -84,6 +117,54 @@ class KubeApi:
                     f"users:\n- name: agent\n  user:\n    token: {TOKEN}\n"
                     "contexts:\n- name: fast\n  context:\n    cluster: fast\n    user: agent\n")
         return path
+
+    # -- the Node's labels and its watches -------------------------------------------------------
+
+    def label(self, key: str, value: str | None) -> None:
+        """Set (None: remove) label `key` of the Node; every watch gets the MODIFIED Node."""
+        with self._cv:
+            if value is None:
+                self.labels.pop(key, None)
+            else:
+                self.labels[key] = value
+            self.version += 1
+            event = {"type": "MODIFIED", "object": self._node()}
+            self._history.append((self.version, event))
+            for w in self._watchers:
+                w.put(event)
+
+    def end_watches(self) -> None:
+        with self._cv:
+            for w in self._watchers:
+                w.put(None)
+
+    def watches(self) -> int:
+        with self._cv:
+            return len(self._watchers)
+
+    def _node(self) -> dict:
+        return {"metadata": {"name": self.node, "labels": dict(self.labels),
+                             "resourceVersion": str(self.version)},
+                "status": {"conditions": list(self.conditions.values())}}
+
+    def _watch(self, path: str) -> queue.Queue:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        events: queue.Queue = queue.Queue()
+        with self._cv:
+            self.requests.append(("WATCH", path, None))
+            assert query["fieldSelector"] == [f"metadata.name={self.node}"], query
+            since = int(query.get("resourceVersion", ["0"])[0] or 0)
+            for version, event in self._history:
+                if version > since:
+                    events.put(event)
+            self._watchers.append(events)
+            self._cv.notify_all()
+        return events
+
+    def _unwatch(self, events: queue.Queue) -> None:
+        with self._cv:
+            self._watchers.remove(events)
+            self._cv.notify_all()
 
     # -- what it received -------------------------------------------------------------------
 
@@ -147,8 +228,7 @@ class KubeApi:
                 return 200, {"metadata": {"name": rest[0], "namespace": namespace, "uid": uid}}
         if parts[:3] == ["api", "v1", "nodes"] and len(parts) >= 4 and parts[3] == self.node:
             if method == "GET" and len(parts) == 4:
-                return 200, {"metadata": {"name": self.node},
-                             "status": {"conditions": list(self.conditions.values())}}
+                return 200, self._node()
             if method == "PATCH" and parts[4:] == ["status"]:
                 if ctype != "application/strategic-merge-patch+json":
                     return 415, {"message": f"unsupported patch type {ctype}"}

@@ -169,6 +169,13 @@ PRECEDENCE = {
     "node_name": ("gpu-node-7", "env-node", "flag.node-1", ("gpu-node-7", "env-node", "flag.node-1")),
     "fault_events": (False, "true", "false", (False, True, False)),
     "node_condition": (False, "true", "false", (False, True, False)),
+    "config_dir": ("/srv/gpu-configs", "", "/flag/configs",
+                   ("/srv/gpu-configs", "", "/flag/configs")),
+    "node_label": ("example.com/gpu-config", "env.example/cfg", "flag-label",
+                   ("example.com/gpu-config", "env.example/cfg", "flag-label")),
+    "default_config": ("a100", "h100-80gb", "", ("a100", "h100-80gb", "")),
+    "fallback_strategies": (["empty"], "single,named", "named",
+                            (("empty",), ("single", "named"), ("named",))),
 }
 
 
@@ -1027,6 +1034,11 @@ VALUES = {
     "node_name": st.sampled_from(("", "node-1", "gpu.rack-3.example")),
     "fault_events": st.booleans(),
     "node_condition": st.booleans(),
+    "config_dir": st.one_of(st.just(""), ABS_PATH),
+    "node_label": st.sampled_from(("nvidia.com/device-plugin.config", "example.com/gpu")),
+    "default_config": st.sampled_from(("", "a100", "h100_80gb.v2")),
+    "fallback_strategies": st.permutations(("named", "single", "empty")).flatmap(
+        lambda p: st.integers(1, 3).map(lambda n: tuple(p[:n]))),
 }
 LAYERS = ("file", "env", "flag")
 

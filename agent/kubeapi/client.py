@@ -159,6 +159,30 @@ class ApiClient:
         except ValueError:
             raise KubeApiError(f"{method} {path}: the answer is not JSON") from None
 
+    def watch(self, path: str, timeout: float) -> Watch:
+        """A watch request (`path` with `watch=1`) on a connection of its own, its answer read
+        line by line as the API server sends the events (`timeout`: the longest silence
+        waited for). KubeApiError when unreachable or refused."""
+        headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
+        token = self._token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        conn = self._connect()
+        conn.timeout = timeout
+        try:
+            conn.request("GET", self.prefix + path, headers=headers)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise KubeApiError(f"watch {path}: {self.config.server} not answering: "
+                               f"{exc or type(exc).__name__}") from None
+        if resp.status >= 400:
+            message = resp.read().decode(errors="replace")
+            conn.close()
+            raise KubeApiError(f"watch {path}: HTTP {resp.status}: {message[:500]}",
+                               code=resp.status)
+        return Watch(path, conn, resp)
+
     def close(self) -> None:
         with self._lock:
             self.close_locked()
@@ -200,6 +224,37 @@ class ApiClient:
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise KubeApiError(f"kubeconfig {c.path}: TLS setup failed: {exc}") from None
         return ctx
+
+
+class Watch:
+    """The events of one watch request, each a decoded JSON object ({"type", "object"}); ends
+    when the API server ends the request. `close()` from another thread ends it too."""
+
+    def __init__(self, path: str, conn: http.client.HTTPConnection, resp: Any):
+        self.path = path
+        self._conn = conn
+        self._resp = resp
+
+    def __iter__(self):
+        try:
+            while True:
+                line = self._resp.readline()
+                if not line:
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise KubeApiError(f"watch {self.path}: ended: {exc or type(exc).__name__}") from None
+        finally:
+            self._conn.close()
+
+    def close(self) -> None:
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(2)  # wakes the thread reading it
+            except OSError:
+                pass
 
 
 def _load_client_cert(ctx: Any, c: Kubeconfig) -> None:
