@@ -529,6 +529,7 @@ state = "{self.path('containerd', 'state')}"
                 "--nfd-features-file", self.path(f"{name}-features.d", "gpu-agent"),
                 "--unhealthy-devices-file", self.path(f"{name}-unhealthyDevices.json"),
                 "--kubeconfig", kubeconfig or self.kubelet_kubeconfig, "--node-name", NODE,
+                "--config-dir", self.path(f"{name}-config.d"),  # none unless a test writes some
                 *(["--config", config] if config else []), *args]
         agent = Agent(name, Process(name, argv, self.logs, env=environ, cwd=str(ROOT)),
                       state=state, control=ctl, root=root)
