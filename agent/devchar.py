@@ -25,7 +25,14 @@ existing entry that works (it resolves to a character device with the node's num
 relative `../nvidia0` and the toolkit's absolute link alike) from a foreign one, reported at
 WARNING.
 
-Owns: `DevCharLinks` (one pass, the watch thread, its status) and `from_config`. Must not
+A simulated driver tree (agent.sim.driver_tree) has regular files where the nodes are and
+records their numbers in `<root>/dev/.gpu-agent-sim-nodes.json` (SIM_RECORD): an entry that is
+not a character device counts as a node with the recorded numbers (a real character device's
+own numbers always win), so that on such a tree the agent and `gpu-agent doctor` (which lists
+the nodes with `list_nodes`) see the same nodes.
+
+Owns: `DevCharLinks` (one pass, the watch thread, its status), `list_nodes`, and `from_config`.
+Must not
 replace, remove or change any existing entry, create device nodes, load modules, or stop the
 agent: every error is logged once per change and shown in `status()`. Imports nothing of
 `agent` but dirwatch (errors and constants would be allowed).
@@ -59,6 +66,10 @@ RETRY_S = 5.0
 # rebuilds it).
 SETTINGS = ("dev_char_symlinks", "dev_root")
 
+# Written by agent.sim.driver_tree in <root>/dev: {"version": 1, "nodes": {"/dev/nvidia0":
+# [195, 0], ...}}, the numbers of the regular files standing in for the nodes.
+SIM_RECORD = ".gpu-agent-sim-nodes.json"
+
 Numbers = tuple[int, int]
 NumberReader = Callable[[str], Optional[Numbers]]
 
@@ -80,17 +91,61 @@ def is_node_name(name: str, in_caps: bool = False) -> bool:
     return name.startswith(prefix) and not name.startswith(SKIPPED_PREFIXES)
 
 
+def recorded_numbers(dev_dir: str) -> dict[str, Numbers]:
+    """{"/dev/nvidia0": (195, 0), ...} from a simulated tree's SIM_RECORD in `dev_dir`; {}
+    when there is none (a real host) or it cannot be read."""
+    import json
+
+    try:
+        with open(os.path.join(dev_dir, SIM_RECORD)) as f:
+            nodes = json.load(f).get("nodes")
+        return {name: (int(n[0]), int(n[1])) for name, n in nodes.items()}
+    except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
+        return {}
+
+
 @dataclass(frozen=True)
 class Node:
-    """An NVIDIA device node and its numbers (what its /dev/char link is named after)."""
+    """An NVIDIA device node and its numbers (what its /dev/char link is named after); major
+    and minor None for an entry with a node's name that is no character device and has no
+    recorded numbers (never linked)."""
 
     path: str  # absolute, under the root
-    major: int
-    minor: int
+    major: int | None
+    minor: int | None
+    name: str = ""  # as on the host: /dev/nvidia0
+    recorded: bool = False  # the numbers are the simulated tree's record
 
     @property
     def char_name(self) -> str:
         return f"{self.major}:{self.minor}"
+
+
+def list_nodes(dev_root: str, read_numbers: NumberReader = char_device_numbers) -> list[Node]:
+    """The entries with an NVIDIA device node's name under `dev_root`/dev and /dev/nvidia-caps,
+    /dev's first, each list by name, with their numbers (`read_numbers`, default lstat, then a
+    simulated tree's record; None when neither has them)."""
+    dev_dir = os.path.join(os.path.normpath(dev_root or "/"), DEV)
+    record = recorded_numbers(dev_dir)
+    found = []
+    for directory, in_caps in ((dev_dir, False), (os.path.join(dev_dir, CAPS_DIR), True)):
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue  # no /dev (status says so through the watch) or no MIG caps
+        for name in names:
+            if not is_node_name(name, in_caps):
+                continue
+            path = os.path.join(directory, name)
+            host = f"/{DEV}/{CAPS_DIR}/{name}" if in_caps else f"/{DEV}/{name}"
+            numbers = read_numbers(path)
+            if numbers is not None:
+                found.append(Node(path, *numbers, name=host))
+            elif host in record and os.path.lexists(path):
+                found.append(Node(path, *record[host], name=host, recorded=True))
+            elif not os.path.isdir(path):  # (/dev/nvidia-caps itself)
+                found.append(Node(path, None, None, name=host))
+    return found
 
 
 def from_config(cfg: Any, on_change: Callable[[], None] | None = None) -> DevCharLinks | None:
@@ -191,21 +246,8 @@ class DevCharLinks:
     # -- one pass -----------------------------------------------------------------------------
 
     def nodes(self) -> list[Node]:
-        """The NVIDIA device nodes under the root now, /dev's first, each list by name."""
-        found = []
-        for directory, in_caps in ((self.dev_dir, False), (self.caps_dir, True)):
-            try:
-                names = sorted(os.listdir(directory))
-            except OSError:
-                continue  # no /dev (status says so through the watch) or no MIG caps
-            for name in names:
-                if not is_node_name(name, in_caps):
-                    continue
-                path = os.path.join(directory, name)
-                numbers = self._read_numbers(path)
-                if numbers is not None:
-                    found.append(Node(path, *numbers))
-        return found
+        """The NVIDIA device nodes under the root now (list_nodes), those with numbers."""
+        return [n for n in list_nodes(self.dev_root, self._read_numbers) if n.major is not None]
 
     def sync(self) -> list[str]:
         """Create the links that are missing; the links created. Errors are reported (log,
@@ -277,7 +319,8 @@ class DevCharLinks:
             resolved = os.path.realpath(link)
         except OSError:
             resolved = ""
-        if resolved and self._read_numbers(resolved) == (node.major, node.minor):
+        if resolved and (self._read_numbers(resolved) == (node.major, node.minor)
+                         or (node.recorded and resolved == os.path.realpath(node.path))):
             return ""
         if target is None:
             return f"is not a link (want -> {node.path})"

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 from concurrent import futures
 from pathlib import Path
@@ -407,15 +408,48 @@ def test_dev_char_fix_on_the_host_root_is_the_toolkits_command():
 
 
 def test_a_real_character_device_gives_its_own_numbers(tmp_root):
+    if os.geteuid() != 0:
+        pytest.skip("a real character device needs root to mknod")
     tree = build(tmp_root, "dgx1-v100")
-    # /dev/nvidia9 here is the host's /dev/null (a real character device, 1:3), whatever a
-    # record says: the lister takes st_rdev, and the link must be /dev/char/1:3
-    os.symlink("/dev/null", tree.path("/dev/nvidia9"))
+    # /dev/nvidia9 here is a character device 1:3 (as /dev/null), whatever a record says: the
+    # lister takes st_rdev, and the link must be /dev/char/1:3
+    os.mknod(tree.path("/dev/nvidia9"), 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     ctx = ctx_for(tree.root)
     null = next(n for n in devnodes.list_nodes(ctx) if n.name == "/dev/nvidia9")
     assert (null.major, null.minor, null.recorded) == (1, 3, False)
     found = devnodes.check_dev_char(ctx)
     assert found.status == FAIL and "/dev/nvidia9 (/dev/char/1:3)" in found.found
+
+
+def test_the_agents_start_log_and_the_doctor_see_the_same_device_nodes():
+    # issue 38 item 9: on a simulated tree (regular files, numbers recorded) the agent said
+    # "0 NVIDIA device nodes" while the doctor counted 13 without links; both list them with
+    # agent.devchar.list_nodes now, so the agent links the 13 and the doctor finds them linked
+    with Node("dgx1-v100") as node:
+        tree = build(node.path("root"), "dgx1-v100", dev_char=False)
+        agent = node.agent("--dev-root", tree.root)
+        agent.wait_registered()
+        agent.wait_log(f"13 NVIDIA device nodes under {tree.path('/dev')}, 13 with a link in "
+                       f"{tree.path('/dev/char')} (13 created)")
+        _, checks, _ = run_doctor(node, tree.root)
+        assert checks["devices.nodes"]["found"].startswith(
+            "13 NVIDIA device nodes (major:minor as the simulated driver tree records them)")
+        assert checks["devices.dev-char"]["found"].startswith(
+            "all 13 NVIDIA device nodes have their /dev/char link")
+        assert agent.stop() == 0
+
+
+def test_a_link_to_a_character_device_is_not_a_node_as_the_toolkit_decides(tmp_root):
+    # nvidia-container-toolkit's AssertCharDevice lstats (internal/devices/devices.go), and so
+    # does the agent's /dev/char keeper (agent.devchar): the doctor counts the same nodes
+    tree = build(tmp_root, "dgx1-v100")
+    os.symlink("/dev/null", tree.path("/dev/nvidia9"))
+    ctx = ctx_for(tree.root)
+    link = next(n for n in devnodes.list_nodes(ctx) if n.name == "/dev/nvidia9")
+    assert (link.major, link.minor) == (None, None)
+    found = devnodes.check_nodes(ctx)
+    assert found.status == WARN and "not character devices: /dev/nvidia9" in found.found
+    assert found.found.startswith("13 NVIDIA device nodes")
 
 
 def test_device_nodes_missing(live, tmp_root):

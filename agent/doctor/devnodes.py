@@ -12,21 +12,19 @@ all: systemd never learns them. NVIDIA's fix for Kubernetes is both: the links (
 system create-dev-char-symlinks --create-all`) and the nodes in the spec (passDeviceSpecs, or
 CDI).
 
-Owns: listing the NVIDIA device nodes under ROOT/dev (`nvidiactl`, `nvidia-uvm*`, `nvidia<N>`,
-`nvidia-caps/*`) with their major:minor numbers, and the checks `devices.*`. A simulated driver
-tree (agent.sim.driver_tree) has no real device nodes: it records each node's numbers in
-SIM_NODES_FILE, which this lister reads for entries that are not character devices (a real
-character device's own numbers always win). Must not create, remove or change any node or link.
+Owns: the checks `devices.*`, on the nodes agent.devchar lists (`list_nodes`: the names the
+toolkit links, a simulated driver tree's recorded numbers for entries that are not character
+devices), the same nodes the agent's start log counts. Must not create, remove or change any
+node or link.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import stat
-from dataclasses import dataclass
 
+from agent.devchar import SIM_RECORD, Node
+from agent.devchar import list_nodes as devchar_nodes
 from agent.doctor.context import Context
 from agent.doctor.driver import nvml_facts
 from agent.doctor.model import Finding, Spec, fail, ok, warn, worst
@@ -34,69 +32,14 @@ from agent.doctor.model import Finding, Spec, fail, ok, warn, worst
 DEV = "/dev"
 DEV_CHAR = "/dev/char"
 CAPS_DIR = "nvidia-caps"
-# The node names in /dev whose /dev/char links matter (the toolkit's list; nvidia-caps/* too).
-NODE_NAME = re.compile(r"^(nvidiactl|nvidia-uvm.*|nvidia\d+)$")
 _GPU_NODE = re.compile(r"^/dev/nvidia\d+$")
-# Written by agent.sim.driver_tree: {"version": 1, "nodes": {"/dev/nvidia0": [195, 0], ...}}.
-SIM_NODES_FILE = "/dev/.gpu-agent-sim-nodes.json"
+SIM_NODES_FILE = f"{DEV}/{SIM_RECORD}"
 DEV_CHAR_COMMAND = "nvidia-ctk system create-dev-char-symlinks --create-all"
 
 
-@dataclass(frozen=True)
-class DeviceNode:
-    """One NVIDIA device node: `name` as on the host (/dev/nvidia0), `path` where it was read
-    (under the root); major/minor None when it is not a character device and not recorded."""
-
-    name: str
-    path: str
-    major: int | None
-    minor: int | None
-    recorded: bool = False  # the numbers come from the simulator's record
-
-    @property
-    def char_name(self) -> str:
-        return f"{self.major}:{self.minor}"
-
-
-def _sim_record(ctx: Context) -> dict:
-    try:
-        with open(ctx.host(SIM_NODES_FILE)) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
-        return {}  # not a simulated tree we can read: the entries count as plain files
-    nodes = doc.get("nodes") if isinstance(doc, dict) else None
-    return nodes if isinstance(nodes, dict) else {}
-
-
-def list_nodes(ctx: Context) -> list[DeviceNode]:
-    """The NVIDIA device nodes under ROOT/dev, sorted by name."""
-    record = _sim_record(ctx)
-    names = []
-    try:
-        names = [f"{DEV}/{n}" for n in os.listdir(ctx.host(DEV)) if NODE_NAME.match(n)]
-    except OSError:
-        pass  # no /dev under the root: no nodes
-    try:
-        names += [f"{DEV}/{CAPS_DIR}/{n}" for n in os.listdir(ctx.host(f"{DEV}/{CAPS_DIR}"))]
-    except OSError:
-        pass  # no MIG capability nodes
-    nodes = []
-    for name in sorted(names):
-        path = ctx.host(name)
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if stat.S_ISCHR(st.st_mode):
-            nodes.append(DeviceNode(name, path, os.major(st.st_rdev), os.minor(st.st_rdev)))
-        elif isinstance(record.get(name), list) and len(record[name]) == 2:
-            nodes.append(DeviceNode(name, path, int(record[name][0]), int(record[name][1]),
-                                    recorded=True))
-        else:
-            nodes.append(DeviceNode(name, path, None, None))
-    return nodes
+def list_nodes(ctx: Context) -> list[Node]:
+    """The NVIDIA device nodes under ROOT/dev, as the agent lists them (agent.devchar)."""
+    return devchar_nodes(ctx.root or "/")
 
 
 def check_nodes(ctx: Context) -> Finding:
@@ -122,10 +65,11 @@ def check_nodes(ctx: Context) -> Finding:
                              f"remove them; `{load.split(' (')[0]}` creates the real nodes"))
     recorded = " (major:minor as the simulated driver tree records them)" \
         if any(n.recorded for n in nodes) else ""
-    gpus = [n for n in nodes if _GPU_NODE.match(n.name)]
-    caps = [n for n in nodes if n.name.startswith(f"{DEV}/{CAPS_DIR}/")]
-    control = [os.path.basename(n.name) for n in nodes if n not in gpus and n not in caps]
-    findings.insert(0, ok(f"{len(nodes)} NVIDIA device nodes{recorded}: "
+    real = [n for n in nodes if n.major is not None]  # as many as the agent's start log says
+    gpus = [n for n in real if _GPU_NODE.match(n.name)]
+    caps = [n for n in real if n.name.startswith(f"{DEV}/{CAPS_DIR}/")]
+    control = [os.path.basename(n.name) for n in real if n not in gpus and n not in caps]
+    findings.insert(0, ok(f"{len(real)} NVIDIA device nodes{recorded}: "
                           + ", ".join(control + [f"{len(gpus)} GPUs",
                                                  f"{len(caps)} in {CAPS_DIR}/"])))
     return worst(findings)

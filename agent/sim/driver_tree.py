@@ -11,8 +11,9 @@ Owns: `build(root, ...)` and the `gpu-agent sim driver-tree DIR` command. The tr
   device nodes: on a host without NVIDIA's driver they open nothing, but on a GPU host a
   character device 195:0 opens the real GPU 0, so they are never the default. Their major:minor
   numbers (the driver's: 195 for the GPUs and nvidiactl; nvidia-uvm and nvidia-caps take
-  dynamic majors, here 508 and 509) are recorded in agent.doctor.devnodes.SIM_NODES_FILE,
-  which the doctor reads for entries that are not character devices;
+  dynamic majors, here 508 and 509) are recorded in /dev/.gpu-agent-sim-nodes.json
+  (agent.devchar.SIM_RECORD), which the agent and the doctor read for entries that are not
+  character devices;
 - /dev/char/<major>:<minor> links to them (relative, as udev makes them), unless asked not to;
 - /proc/devices (the majors by driver name), /proc/driver/nvidia/capabilities/mig/{config,
   monitor} (the capability files giving the caps' minors) and /proc/driver/nvidia-caps/mig-minors
@@ -188,7 +189,7 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
           driver_libraries: bool = False) -> DriverTree:
     """Build the tree for the GPUs of `profile` (a shipped name or a path; default
     $GPU_AGENT_SIM_PROFILE, else dgx1-v100) under `root` (created if missing)."""
-    from agent.doctor.devnodes import SIM_NODES_FILE
+    from agent.devchar import SIM_RECORD
     from agent.sim.profile import load_profile
 
     if node_kind not in NODE_KINDS:
@@ -223,7 +224,7 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
             os.symlink(os.path.relpath(path, os.path.dirname(link)), link)
     tree.nodes = nodes
     record = {"version": 1, "nodes": {p: [ma, mi] for p, ma, mi in nodes}}
-    _write(tree.path(SIM_NODES_FILE), json.dumps(record, indent=1) + "\n")
+    _write(tree.path(f"/dev/{SIM_RECORD}"), json.dumps(record, indent=1) + "\n")
     _write(tree.path("/proc/devices"),
            f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n"
            f"{UVM_MAJOR} nvidia-uvm\n{CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n")
