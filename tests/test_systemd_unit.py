@@ -203,10 +203,12 @@ def test_it_runs_what_the_package_installs_with_a_command_line_the_agent_takes()
     assert argv[0] == "/usr/bin/gpu-agent"
     args = build_parser().parse_args(argv[1:])
     assert args.command == "run" and args.config_file == "/etc/gpu-agent/config.yaml"
-    spec = SPEC.read_text()
-    assert "%config(noreplace) %{_sysconfdir}/gpu-agent/config.yaml" in spec
-    assert "ln -s ../lib/gpu-agent/bin/gpu-agent %{buildroot}%{_bindir}/gpu-agent" in spec
-    assert "install -D -m 0644 systemd/gpu-agent.service %{buildroot}%{_unitdir}/" in spec
+    assert "%config(noreplace) %{_sysconfdir}/gpu-agent/config.yaml" in SPEC.read_text()
+    # packaging/install-tree stages the files of the RPM and the .deb alike
+    staging = (ROOT / "packaging" / "install-tree").read_text()
+    assert 'ln -s ../lib/gpu-agent/bin/gpu-agent "$destdir/usr/bin/gpu-agent"' in staging
+    assert "install -D -m 0644 systemd/gpu-agent.service " \
+        '"$destdir/usr/lib/systemd/system/gpu-agent.service"' in staging
 
 
 # -- systemd's tools ---------------------------------------------------------------------------
