@@ -90,30 +90,34 @@ def test_packaged_config_comments_every_setting_with_its_default(tmp_path):
 # -- building ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def rpms(tmp_path_factory) -> dict[int, Path]:
-    """The binary RPM built from this tree with Release 1, and again with Release 2 (for the
-    upgrade), once per test session."""
-    out = tmp_path_factory.mktemp("rpms")
+def build_twice(script: str, out: Path, numbered: str) -> dict[int, Path]:
+    """scripts/SCRIPT run with `numbered` 1 and 2 (the RPM's Release, the .deb's revision: two
+    builds of this tree, for the upgrade), into OUT: the package each one printed last."""
     # Both at once: each build is one process at a time (pip, Cython, gcc), and this fixture
     # was the suite's longest wait (two minutes one after the other on 2 CPUs).
-    builds = {release: subprocess.Popen([str(ROOT / "scripts" / "build-rpm"), "--output",
-                                         str(out), "--release", str(release)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
-              for release in (1, 2)}
+    builds = {number: subprocess.Popen([str(ROOT / "scripts" / script), "--output", str(out),
+                                        numbered, str(number)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for number in (1, 2)}
     built = {}
     try:
-        for release, proc in builds.items():
+        for number, proc in builds.items():
             stdout, stderr = proc.communicate(timeout=900)
             assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
-            built[release] = Path(stdout.strip().splitlines()[-1])
+            built[number] = Path(stdout.strip().splitlines()[-1])
     finally:
         for proc in builds.values():  # the other build, when one failed or timed out
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
     return built
+
+
+@pytest.fixture(scope="module")
+def rpms(tmp_path_factory) -> dict[int, Path]:
+    """The binary RPM built from this tree with Release 1, and again with Release 2 (for the
+    upgrade), once per test session."""
+    return build_twice("build-rpm", tmp_path_factory.mktemp("rpms"), "--release")
 
 
 def query(rpm_file: Path, *args: str) -> str:
@@ -167,21 +171,31 @@ def test_rpmlint_finds_no_errors(rpms):
 # -- installing --------------------------------------------------------------------------------
 
 
-def make_root(path: Path) -> Path:
-    """An empty root where rpm can run scriptlets: /bin/sh, /dev/null, a recording systemctl."""
-    (path / "bin").mkdir(parents=True)
-    shutil.copy("/bin/sh", path / "bin" / "sh")  # dash on Debian
-    ldd = subprocess.run(["ldd", "/bin/sh"], capture_output=True, text=True, check=True).stdout
-    for lib in re.findall(r"(/\S+\.so[.\d]*)", ldd):
-        target = path / lib.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(lib, target)
+def script_root(path: Path, programs: tuple[str, ...] = ("/bin/sh",),
+                recorded: tuple[str, ...] = ("systemctl",)) -> Path:
+    """An empty root where a package manager can run scriptlets chrooted: `programs` copied
+    from this host with the libraries they load (/bin/sh is dash on Debian), /dev/null, and for
+    each command in `recorded` a stand-in in /usr/bin that writes its name and arguments to
+    /systemd.log (systemd cannot run here; recorded_calls reads what was asked of it)."""
+    for program in programs:
+        ldd = subprocess.run(["ldd", program], capture_output=True, text=True, check=True).stdout
+        for source in (program, *re.findall(r"(/\S+\.so[.\d]*)", ldd)):
+            target = path / source.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
     (path / "dev").mkdir()
     (path / "dev" / "null").touch()
-    systemctl = path / "usr" / "bin" / "systemctl"
-    systemctl.parent.mkdir(parents=True)
-    systemctl.write_text('#!/bin/sh\necho "$*" >> /systemctl.log\n')
-    systemctl.chmod(0o755)
+    for name in recorded:
+        command = path / "usr" / "bin" / name
+        command.parent.mkdir(parents=True, exist_ok=True)
+        command.write_text(f'#!/bin/sh\necho "{name} $*" >> /systemd.log\n')
+        command.chmod(0o755)
+    return path
+
+
+def make_root(path: Path) -> Path:
+    """An empty root where rpm can run scriptlets: /bin/sh, /dev/null, a recording systemctl."""
+    script_root(path)
     subprocess.run(["rpm", "--root", str(path), "--dbpath", RPMDB, "--initdb"], check=True)
     return path
 
@@ -193,8 +207,9 @@ def rpm(root: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def systemctl_calls(root: Path) -> list[str]:
-    log = root / "systemctl.log"
+def recorded_calls(root: Path) -> list[str]:
+    """What the scriptlets asked of the recorded commands since the last call, in order."""
+    log = root / "systemd.log"
     calls = log.read_text().splitlines() if log.exists() else []
     log.unlink(missing_ok=True)
     return calls
@@ -231,33 +246,34 @@ def serve_once(root: Path) -> None:
         assert proc.returncode == 0, out
 
 
-@needs_rpm
-@pytest.mark.timeout(900)
-def test_install_run_upgrade_and_erase(rpms, tmp_path):
-    root = make_root(tmp_path / "root")
+# Where the package builds leave their paths (rpmbuild's buildroot, the build environments of
+# the spec and of scripts/build-deb): none may be named in an installed file.
+BUILD_PATHS = "BUILDROOT|/rpmbuild/|buildenv-gpu-agent|/gpu-agent-deb\\.|/buildenv/"
 
-    # install: files in place, first-install scriptlet applies the preset and starts nothing
-    rpm(root, "-i", "--nodeps", str(rpms[1]))
-    assert systemctl_calls(root) == ["--no-reload preset gpu-agent.service"]
+
+def check_installed_and_running(root: Path) -> None:
+    """The package's files are in place in ROOT as packaging/install-tree staged them, and the
+    installed agent runs from there: its own modules, the compiled hot paths, the packaged
+    config, and a registration with a simulated kubelet."""
     assert os.readlink(root / "usr/bin/gpu-agent") == "../lib/gpu-agent/bin/gpu-agent"
     script = root / VENV / "bin" / "gpu-agent"
     assert script.read_text().splitlines()[0] == "#!/usr/lib/gpu-agent/bin/python"
     assert "home = /usr/bin" in (root / VENV / "pyvenv.cfg").read_text()
-    assert (root / "usr/lib/systemd/system/gpu-agent.service").read_bytes() == \
-        (ROOT / "systemd/gpu-agent.service").read_bytes()
     assert (root / "var/lib/gpu-agent").is_dir()
-    assert (root / "usr/share/gpu-agent/gpu-agent-dashboard.json").read_bytes() == \
-        (ROOT / "packaging/grafana/gpu-agent-dashboard.json").read_bytes()
-    assert (root / "usr/share/gpu-agent/presets/vcuda-core.yaml").read_bytes() == \
-        (ROOT / "packaging/presets/vcuda-core.yaml").read_bytes()
-    assert (root / "usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml").read_bytes() == \
-        (ROOT / "packaging/kubernetes/gpu-agent-rbac.yaml").read_bytes()
+    for installed_path, source in (
+            ("usr/lib/systemd/system/gpu-agent.service", "systemd/gpu-agent.service"),
+            ("etc/gpu-agent/config.yaml", "packaging/rpm/config.yaml"),
+            ("usr/share/gpu-agent/gpu-agent-dashboard.json",
+             "packaging/grafana/gpu-agent-dashboard.json"),
+            ("usr/share/gpu-agent/presets/vcuda-core.yaml", "packaging/presets/vcuda-core.yaml"),
+            ("usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml",
+             "packaging/kubernetes/gpu-agent-rbac.yaml")):
+        assert (root / installed_path).read_bytes() == (ROOT / source).read_bytes(), source
     assert not list((root / VENV).glob("lib/python*/site-packages/agent/_fast/*.c"))
-    leftovers = subprocess.run(["grep", "-rlE", "BUILDROOT|/rpmbuild/|buildenv-gpu-agent",
-                                str(root / VENV)], capture_output=True, text=True)
+    leftovers = subprocess.run(["grep", "-rlE", BUILD_PATHS, str(root / VENV)],
+                               capture_output=True, text=True)
     assert leftovers.stdout == ""  # no build paths in any installed file, .pyc included
 
-    # run it from the root: its own modules, the compiled hot paths, the packaged config
     proc = installed(root, "--version")
     assert proc.stdout == f"gpu-agent {__version__}\n", proc.stderr
     config = root / "etc/gpu-agent/config.yaml"
@@ -269,7 +285,19 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
     assert module.startswith(f"{root}/{VENV}/lib/") and implementation == "cython"
     serve_once(root)
 
+
+@needs_rpm
+@pytest.mark.timeout(900)
+def test_install_run_upgrade_and_erase(rpms, tmp_path):
+    root = make_root(tmp_path / "root")
+
+    # install: files in place, first-install scriptlet applies the preset and starts nothing
+    rpm(root, "-i", "--nodeps", str(rpms[1]))
+    assert recorded_calls(root) == ["systemctl --no-reload preset gpu-agent.service"]
+    check_installed_and_running(root)
+
     # the operator changes the config; the agent has written state
+    config = root / "etc/gpu-agent/config.yaml"
     operator_config = "version: v1\nflags:\n  failOnInitError: false  # by the operator\n"
     config.write_text(operator_config)
     state = root / "var/lib/gpu-agent/checkpoint.msgpack"
@@ -280,13 +308,14 @@ def test_install_run_upgrade_and_erase(rpms, tmp_path):
     assert rpm(root, "-q", "gpu-agent").stdout.strip() == f"gpu-agent-{__version__}-2.x86_64"
     assert config.read_text() == operator_config
     assert not (root / "etc/gpu-agent/config.yaml.rpmnew").exists()  # same packaged default
-    assert systemctl_calls(root) == ["daemon-reload", "try-restart gpu-agent.service"]
+    assert recorded_calls(root) == ["systemctl daemon-reload",
+                                   "systemctl try-restart gpu-agent.service"]
     assert installed(root, "--version").stdout == f"gpu-agent {__version__}\n"
 
     # erase: stopped and disabled first; the files go, the state and the operator's config stay
     rpm(root, "-e", "--nodeps", "gpu-agent")
-    assert systemctl_calls(root) == ["--no-reload disable --now gpu-agent.service",
-                                     "daemon-reload"]
+    assert recorded_calls(root) == ["systemctl --no-reload disable --now gpu-agent.service",
+                                    "systemctl daemon-reload"]
     for path in (VENV, "usr/bin/gpu-agent", "usr/lib/systemd/system/gpu-agent.service",
                  "etc/gpu-agent/config.yaml", "usr/share/doc/gpu-agent", "usr/share/gpu-agent"):
         assert not os.path.lexists(root / path), path
