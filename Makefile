@@ -11,6 +11,9 @@ APT_BUILD := gcc python3-dev python3-venv
 # need, and the real Prometheus that tests/test_metrics_prometheus.py scrapes the agent with;
 # `make test` installs them as root only (CI), elsewhere those tests say they skipped.
 APT_RPM   := rpm rpmlint systemd
+# What `make deb` and tests/test_deb.py need beyond dpkg itself: dpkg-shlibdeps and
+# dpkg-gencontrol (dpkg-dev), and lintian.
+APT_DEB   := dpkg-dev lintian
 APT_TEST  := prometheus
 # What `make e2e`'s cluster runs beside the components it builds (docs/e2e.md): runc, the
 # busybox its pods run, the CNI plugins its runtime's network config names, and openssl for
@@ -21,7 +24,7 @@ APT_E2E   := runc busybox-static containernetworking-plugins openssl
 E2E_K8S   ?= $(shell ls tests/e2e/components | sed -n 's/^kubernetes-v//p' | sort -rV)
 
 .PHONY: all venv build test test-under-load test-pythons lint demo proto bench soak clean rpm \
-        rpm-tools e2e e2e-build e2e-cluster
+        deb packaging-tools e2e e2e-build e2e-cluster
 
 all: build
 
@@ -49,13 +52,13 @@ build: $(STAMP)
 lint: $(STAMP)
 	$(VPY) -m ruff check .
 
-test: build lint rpm-tools
+test: build lint packaging-tools
 	$(VPY) -m pytest -q
 
 # The suite RUNS times in a row (stops at the first failure) while stress-ng keeps both cores
 # busy, as CI finds the machine right after a stop; each run's time goes to the log.
 RUNS ?= 3
-test-under-load: build lint rpm-tools
+test-under-load: build lint packaging-tools
 	@command -v stress-ng >/dev/null 2>&1 || scripts/apt-install stress-ng
 	@stress-ng --cpu 2 --quiet & load=$$!; trap 'kill $$load 2>/dev/null' EXIT; \
 	for run in $$(seq $(RUNS)); do \
@@ -90,7 +93,7 @@ proto: $(STAMP)
 	$(VPY) scripts/gen_proto.py
 
 # The RPM into dist/ (packaging/rpm/gpu-agent.spec via scripts/build-rpm), then rpmlint.
-rpm: rpm-tools
+rpm: packaging-tools
 	@command -v rpmbuild >/dev/null 2>&1 || scripts/apt-install $(APT_RPM)
 	@command -v gcc >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null || \
 	  scripts/apt-install $(APT_BUILD)
@@ -100,9 +103,23 @@ rpm: rpm-tools
 	  rpmlint -r packaging/rpm/gpu-agent.rpmlintrc dist/gpu-agent-*.rpm packaging/rpm/gpu-agent.spec; \
 	else echo "rpmlint not installed: not linted"; fi
 
-rpm-tools:
+# The .deb into dist/ (packaging/deb/ via scripts/build-deb, on the system's /usr/bin/python3),
+# then lintian, which reads packaging/deb/lintian-overrides from the package.
+deb: packaging-tools
+	@command -v dpkg-shlibdeps >/dev/null 2>&1 || scripts/apt-install $(APT_DEB)
+	@command -v gcc >/dev/null 2>&1 && /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || \
+	  scripts/apt-install $(APT_BUILD)
+	rm -f dist/gpu-agent_*.deb
+	scripts/build-deb --output dist
+	@if command -v lintian >/dev/null 2>&1; then \
+	  lintian --fail-on error,warning dist/gpu-agent_*.deb; \
+	else echo "lintian not installed: not linted"; fi
+
+# The packaging tests' tools (APT_RPM, APT_DEB) and Prometheus, as root only (CI); elsewhere
+# those tests are skipped and say why.
+packaging-tools:
 	@if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  scripts/apt-install $(APT_RPM) $(APT_TEST); fi
+	  scripts/apt-install $(APT_RPM) $(APT_DEB) $(APT_TEST); fi
 
 # The real Kubernetes components, built from their pinned Go modules into .e2e/bin (cached:
 # rebuilt only when a pin changes). Needs Go 1.26 and the Go module proxy.
