@@ -10,8 +10,8 @@ nothing reaches this host's systemd, and the tests check what each script asks o
 /run/systemd/system, which is how the scripts (as debhelper's) tell that systemd runs, but for
 the one test of a root without it (a chroot or an image build).
 
-These tests need root (dpkg chroots into ROOT), dpkg-deb and dpkg-dev (dpkg-shlibdeps,
-dpkg-gencontrol), and lintian for the lint test. They are skipped without them, saying so;
+These tests need dpkg-dev (dpkg-shlibdeps, dpkg-gencontrol), lintian for the lint test, and
+root for the install tests (dpkg chroots into ROOT). They are skipped without them, saying so;
 `make test` installs the tools as root, which is how CI runs.
 """
 
@@ -39,12 +39,14 @@ from tests.test_install import (
 )
 
 needs_dpkg = pytest.mark.skipif(
-    os.geteuid() != 0 or any(shutil.which(tool) is None for tool in
-                             ("dpkg", "dpkg-deb", "dpkg-shlibdeps", "dpkg-gencontrol")),
-    reason="needs root and dpkg-dev (dpkg-shlibdeps, dpkg-gencontrol); make test installs "
-           "dpkg-dev as root, as CI runs")
+    any(shutil.which(tool) is None for tool in
+        ("dpkg", "dpkg-deb", "dpkg-shlibdeps", "dpkg-gencontrol")),
+    reason="dpkg-dev (dpkg-shlibdeps, dpkg-gencontrol) is not installed; make test installs it "
+           "as root, as CI runs")
 needs_lintian = pytest.mark.skipif(shutil.which("lintian") is None, reason=(
     "lintian is not installed; make test installs it as root, as CI runs"))
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=(
+    "dpkg --root runs the maintainer scripts chrooted into the root, which needs root"))
 SPEC = ROOT / "packaging" / "rpm" / "gpu-agent.spec"
 UNIT = "gpu-agent.service"
 CONFIG = "etc/gpu-agent/config.yaml"
@@ -70,20 +72,11 @@ def deb_field(deb: Path, name: str) -> str:
                           text=True, check=True).stdout.strip()
 
 
-def deb_members(deb: Path) -> dict[str, tarfile.TarInfo]:
-    """The .deb's files by their installed path, as `dpkg-deb --contents` lists them."""
+def deb_files(deb: Path) -> tarfile.TarFile:
+    """The .deb's files, as dpkg would unpack them."""
     data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
                           check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        return {"/" + m.name.lstrip("./").rstrip("/"): m for m in tar.getmembers()
-                if m.name not in ("./", ".")}
-
-
-def deb_file(deb: Path, path: str) -> bytes:
-    data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
-                          check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        return tar.extractfile("." + path).read()
+    return tarfile.open(fileobj=io.BytesIO(data))
 
 
 def normalized(name: str) -> str:
@@ -110,10 +103,14 @@ def test_the_deb_says_what_it_needs_and_what_dpkg_keeps(debs, tmp_path):
     for script in ("postinst", "prerm", "postrm"):
         assert os.access(control / script, os.X_OK), script
 
-    members = deb_members(deb)
+    doc = "/usr/share/doc/gpu-agent/"
+    with deb_files(deb) as tar:
+        members = {"/" + m.name.lstrip("./").rstrip("/"): m for m in tar.getmembers()
+                   if m.name not in ("./", ".")}
+        copyright_text = tar.extractfile(f".{doc}copyright").read().decode()
     assert {(m.uname, m.gname) for m in members.values()} == {("root", "root")}
     files = {path for path, m in members.items() if m.isfile()}
-    # every file but the conffile has a checksum (`dpkg --verify` below checks them)
+    # every file but the conffile has a checksum (the install test's `dpkg --verify` reads them)
     summed = {"/" + line.split(None, 1)[1]
               for line in (control / "md5sums").read_text().splitlines()}
     assert summed == files - {"/" + CONFIG}
@@ -124,16 +121,16 @@ def test_the_deb_says_what_it_needs_and_what_dpkg_keeps(debs, tmp_path):
         assert path in members, path
     # the RPM's documentation (its %doc line), where the unit's Documentation= points, plus
     # what Debian asks of every package
-    doc = "/usr/share/doc/gpu-agent/"
     pages = next(line for line in SPEC.read_text().splitlines() if line.startswith("%doc "))
     assert {p[len(doc):] for p in files if p.startswith(doc)} == \
         {Path(page).name for page in pages.split()[1:]} | {"copyright", "changelog.Debian.gz"}
     # shared objects are not executable on Debian (policy 8.1)
-    assert not [p for p, m in members.items() if m.isfile() and ".so" in p and m.mode & 0o111]
+    shared = [p for p in files if re.search(r"\.so(\.\d+)*$", p)]
+    assert shared and not [p for p in shared if members[p].mode & 0o111]
 
     # the copyright names every Python package bundled in the venv, with its version
-    named = set(re.findall(r"^Comment: (\S+) (\S+), installed from its wheel",
-                           deb_file(deb, doc + "copyright").decode(), re.MULTILINE))
+    named = set(re.findall(r"^Comment: (\S+) (\S+), installed from its wheel", copyright_text,
+                           re.MULTILINE))
     bundled = {re.match(r".*/site-packages/(.+)-([^-]+)\.dist-info$", p).groups()
                for p in members if p.endswith(".dist-info")}
     assert {(normalized(n), v) for n, v in named} == \
@@ -190,6 +187,7 @@ def status(root: Path) -> str:
 
 
 @needs_dpkg
+@needs_root
 @pytest.mark.timeout(900)
 def test_install_run_upgrade_remove_and_purge(debs, tmp_path):
     root = dpkg_root(tmp_path / "root")
@@ -244,6 +242,7 @@ def test_install_run_upgrade_remove_and_purge(debs, tmp_path):
 
 
 @needs_dpkg
+@needs_root
 @pytest.mark.timeout(900)
 def test_where_systemd_does_not_run_the_scripts_leave_it_alone(debs, tmp_path):
     # a chroot, a container or an image build: the unit's links are recorded and purged (that
