@@ -214,7 +214,8 @@ def test_install_run_upgrade_remove_and_purge(debs, tmp_path):
     dpkg(root, "--force-depends", "--install", str(debs[2]))
     assert status(root) == f"install ok installed {__version__}-2"
     assert config.read_text() == operator_config
-    assert list(config.parent.iterdir()) == [config]  # no .dpkg-dist, .dpkg-new, .dpkg-old
+    # no .dpkg-dist, .dpkg-new, .dpkg-old beside it; config.d: the named configs, empty
+    assert sorted(p.name for p in config.parent.iterdir()) == ["config.d", "config.yaml"]
     assert recorded_calls(root) == [f"deb-systemd-helper update-state {UNIT}",
                                     "systemctl --system daemon-reload",
                                     f"deb-systemd-invoke try-restart {UNIT}"]

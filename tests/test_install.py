@@ -260,6 +260,8 @@ def check_installed_and_running(root: Path) -> None:
     assert script.read_text().splitlines()[0] == "#!/usr/lib/gpu-agent/bin/python"
     assert "home = /usr/bin" in (root / VENV / "pyvenv.cfg").read_text()
     assert (root / "var/lib/gpu-agent").is_dir()
+    assert (root / "etc/gpu-agent/config.d").is_dir()  # the named configs' place, empty
+    assert not list((root / "etc/gpu-agent/config.d").iterdir())
     for installed_path, source in (
             ("usr/lib/systemd/system/gpu-agent.service", "systemd/gpu-agent.service"),
             ("etc/gpu-agent/config.yaml", "packaging/rpm/config.yaml"),
