@@ -2,7 +2,7 @@
 
 Owns: every list of names the agent accepts (MIG, device-list and device-ID strategies,
 allocation policies, XID action classes) and every default value or path that is shared across
-layers (the option defaults of agent._config_options and the code defaults of the parts that
+layers (the option defaults of agent.config.options and the code defaults of the parts that
 take those options). Plain literals only: must not import anything, of `agent` or otherwise, so
 that every module, `agent._fast` included, may import it.
 """
@@ -115,7 +115,7 @@ EVENT_COMPONENT = "gpu-agent"
 # The Node condition the agent keeps: False while a GPU is withdrawn, True when all are in.
 CONDITION_TYPE = "GPUHealthy"
 
-# -- per-node configs, chosen by a node label (agent._config_named, agent.kubeapi.nodelabel) ----
+# -- per-node configs, chosen by a node label (agent.config.named, agent.kubeapi.nodelabel) ----
 # NVIDIA's config-manager (cmd/config-manager/main.go): the label naming the config, the name a
 # config is looked for under when the node has no label ("named" fallback), the fallbacks.
 DEFAULT_CONFIG_DIR = "/etc/gpu-agent/config.d"

@@ -67,7 +67,7 @@ class ConfigError(AgentError):
 
 
 class InvalidValue(ValueError):
-    """One config value is wrong (raised by agent._config_kinds, which know no keys).
+    """One config value is wrong (raised by agent.config.kinds, which know no keys).
     `subkey` (e.g. "[2]") is appended to the caller's key in the ConfigError it becomes."""
 
     def __init__(self, problem: str, subkey: str = ""):

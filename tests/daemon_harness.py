@@ -26,9 +26,9 @@ from pathlib import Path
 
 import grpc
 
-from agent._config_options import OPTIONS
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent.config.options import OPTIONS
 from agent.sim import PROFILES_DIR, lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from agent.status import read_status
@@ -84,7 +84,7 @@ class Node:
         # the kubeconfig of the API server for events and the node condition: not created
         # here (the agent waits for it), a test that wants one writes it (tests/kube_api.py)
         self.kubeconfig = os.path.join(self.root, "kubeconfig")
-        # the named configs a node label chooses from (agent._config_named): not created here
+        # the named configs a node label chooses from (agent.config.named): not created here
         self.config_dir = os.path.join(self.root, "config.d")
         # the node's CDI spec directories, standing in for /etc/cdi and /var/run/cdi (not created)
         self.cdi_dirs = (os.path.join(self.root, "etc-cdi"), os.path.join(self.root, "run-cdi"))

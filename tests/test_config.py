@@ -23,17 +23,6 @@ from conftest import DATA, ROOT, gpu_agent_cmd, run_gpu_agent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent._config_file import (
-    SCHEMA,
-    DeviceReplicas,
-    Imex,
-    ReplicatedResource,
-    ReplicatedResources,
-    ResourcePattern,
-    Resources,
-    Sharing,
-)
-from agent._config_kinds import FALSE_TEXT, TRUE_TEXT
 from agent.config import (
     OPTIONS,
     ConfigError,
@@ -44,6 +33,17 @@ from agent.config import (
     format_config,
     load_config,
 )
+from agent.config.file import (
+    SCHEMA,
+    DeviceReplicas,
+    Imex,
+    ReplicatedResource,
+    ReplicatedResources,
+    ResourcePattern,
+    Resources,
+    Sharing,
+)
+from agent.config.kinds import FALSE_TEXT, TRUE_TEXT
 from agent.constants import (
     DEFAULT_KUBELET_SOCKET,
     DEVICE_ID_STRATEGIES,
@@ -1322,7 +1322,7 @@ def test_every_error_line_configuration_md_shows_is_what_the_code_says(tmp_path)
 def test_every_key_of_the_schema_is_in_the_every_key_table():
     # the table once lacked cdiSpecDirs, devCharSymlinks, metricsAddress, nfdFeaturesFile and
     # nvmlCallTimeout; rows name keys in full or as `.name` after a full one of the same parent
-    from agent._config_file import SCHEMA, _schema_leaves
+    from agent.config.file import SCHEMA, _schema_leaves
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     table = docs.split("### Every key", 1)[1].lstrip("\n").split("\n\n", 1)[0]

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from agent import devchar
-from agent._config_options import OPTIONS_BY_NAME
+from agent.config.options import OPTIONS_BY_NAME
 from agent.constants import DEFAULT_DEV_CHAR_SYMLINKS
 from agent.devchar import DevCharLinks
 

@@ -16,8 +16,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from agent._config_file import SCHEMA
 from agent.config import check_config_file, format_config
+from agent.config.file import SCHEMA
 from agent.errors import ConfigError
 from tests.conftest import run_gpu_agent
 

@@ -28,8 +28,8 @@ import pytest
 import yaml
 
 from agent import __version__
-from agent._config_options import OPTIONS
 from agent.config import check_config_file, load_config
+from agent.config.options import OPTIONS
 from tests.conftest import ROOT, run_gpu_agent
 from tests.daemon_harness import GPU, WAIT, Node, clean_env
 

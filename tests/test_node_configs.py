@@ -1,6 +1,6 @@
 """Per-node configs as NVIDIA's plugin selects them: named configs in one directory and the node
 label `nvidia.com/device-plugin.config` choosing one, switched live when the label changes
-(agent._config_named, agent.kubeapi.nodelabel; tests/e2e/test_node_configs.py does the same on
+(agent.config.named, agent.kubeapi.nodelabel; tests/e2e/test_node_configs.py does the same on
 the real API server).
 
 The rules pinned here are NVIDIA's config-manager's (k8s-device-plugin v0.19.1,
@@ -21,8 +21,8 @@ import signal
 
 import pytest
 
-from agent._config_named import choose, named_configs
 from agent.config import load_config
+from agent.config.named import choose, named_configs
 from agent.constants import DEFAULT_FALLBACK_STRATEGIES, DEFAULT_NODE_LABEL
 from agent.errors import ConfigError
 from agent.status import read_status

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent._config_file import ResourcePattern
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from agent.config.file import ResourcePattern
 from agent.errors import RequestError
 from agent.kubelet.plugin import PluginServer, RegistrationError, socket_name
 from agent.nvml.discovery import Gpu

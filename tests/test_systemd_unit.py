@@ -23,7 +23,7 @@ import pytest
 
 from agent import daemon
 from agent.__main__ import build_parser
-from agent._config_options import OPTIONS_BY_NAME
+from agent.config.options import OPTIONS_BY_NAME
 from agent.constants import DEFAULT_KUBELET_SOCKET
 from tests.conftest import ROOT
 

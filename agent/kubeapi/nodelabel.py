@@ -1,4 +1,4 @@
-"""The Node label that chooses this node's named config (agent._config_named): read at start,
+"""The Node label that chooses this node's named config (agent.config.named): read at start,
 then watched, so that relabelling a node switches its config at once, as SIGHUP does.
 
 Owns: reading the label (one GET of the Node, bounded: the start waits for it at most

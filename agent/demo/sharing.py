@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.demo_node import StepNode
+from agent.demo.node import StepNode
 
 CONFIG = """\
 version: v1

@@ -5,14 +5,14 @@ Owns: the names and defaults, following NVIDIA's k8s-device-plugin wherever it h
 (flags, env vars, `flags.*` keys) and our own `agent.*` keys otherwise; the lists of names
 and the default values themselves are agent.constants' (the parts that act on an option share
 them). Must not parse or layer anything (agent.config does), and must not import anything of
-`agent` but `constants` and the _config_ modules.
+`agent` but `constants` and the modules of agent.config.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from agent._config_kinds import (
+from agent.config.kinds import (
     BoolKind,
     ChoiceKind,
     ChoiceListKind,

@@ -8,7 +8,7 @@ directory a ConfigMap is copied into works as it is) and the choice: the label's
 the node has the label, else the default config, else the fallback strategies in order, else
 the --config file. Must not read the label (agent.kubeapi.nodelabel does) nor load the chosen
 file (agent.config does); must not import anything of `agent` but errors, constants and the
-_config_ modules.
+modules of agent.config.
 
 Where gpu-agent differs from NVIDIA's config-manager, which stops (and so stops the plugin):
 a label naming a config that is not there keeps this node on the config it would have without
@@ -22,7 +22,7 @@ import os
 import stat
 from typing import NamedTuple
 
-from agent._config_kinds import CONFIG_NAME
+from agent.config.kinds import CONFIG_NAME
 from agent.constants import NAMED_CONFIG_FALLBACK
 from agent.errors import ConfigError
 

@@ -5,11 +5,12 @@ flag beats an environment variable beats the file beats the default.
 Owns: the effective configuration (`Config`: every value and where it came from),
 `load_config`, the option flags (`add_run_options`, for `gpu-agent run` and `config show`;
 `add_state_command`, for the commands that read a state directory), and the `gpu-agent config
-show|check` commands. The option table is in _config_options, the value kinds in
-_config_kinds, the file schema in _config_file, the names and defaults in agent.constants.
+show|check` commands. The option table is in .options, the value kinds in
+.kinds, the file schema in .file, the named configs in .named, the names and defaults in
+agent.constants.
 Must not act on the configuration (open NVML, touch sockets or the state directory) nor
 refuse values it parses that the agent does not implement yet (later layers may, at run
-time); must not import anything of `agent` but errors, constants and its own private modules.
+time); must not import anything of `agent` but errors, constants and its own modules.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from agent._config_file import (
+from agent.config.file import (
     COMPAT_KEYS,
     GROUPS,
     FileLayer,
@@ -31,9 +32,9 @@ from agent._config_file import (
     build_document,
     read_file,
 )
-from agent._config_kinds import BoolKind, ChoiceListKind
-from agent._config_named import NONE, Choice, choose, named_configs
-from agent._config_options import (
+from agent.config.kinds import BoolKind, ChoiceListKind
+from agent.config.named import NONE, Choice, choose, named_configs
+from agent.config.options import (
     OPTIONS,
     OPTIONS_BY_KEY,
     OPTIONS_BY_NAME,
@@ -115,7 +116,7 @@ class Config(NamedTuple):
     node_name: str  # this node's name in Kubernetes; "": the host name
     fault_events: bool  # Events on the Node and the holding pods when a GPU flips
     node_condition: bool  # the Node condition GPUHealthy
-    config_dir: str  # named configs (agent._config_named); "": none
+    config_dir: str  # named configs (agent.config.named); "": none
     node_label: str  # the Node label naming this node's config
     default_config: str  # the named config without the label; "": the fallbacks choose
     fallback_strategies: tuple[str, ...]  # named | single | empty, in order
@@ -208,7 +209,7 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None,
 
     When the named-config directory holds configs, the one chosen for a node whose label has
     the value `label` (None: unlabelled, or not known) is read in place of the config file
-    (agent._config_named); the options that choose keep their values from the config file.
+    (agent.config.named); the options that choose keep their values from the config file.
     """
     given = _given(args)
     environ = os.environ if environ is None else environ

@@ -292,9 +292,9 @@ def run_demo(profile: str = "dgx1-v100", keep: bool = False) -> int:
               f"kubelet lists its pods once it has read them from the API server; the agent "
               f"keeps their records meanwhile: docs/state.md)")
 
-        from agent.demo_metrics import run_metrics_step
-        from agent.demo_mig import run_mig_step
-        from agent.demo_sharing import run_sharing_step
+        from agent.demo.metrics import run_metrics_step
+        from agent.demo.mig import run_mig_step
+        from agent.demo.sharing import run_sharing_step
 
         metrics_code = run_metrics_step(str(work / "state"), str(features), str(ctl), "9",
                                         table, say)

@@ -6,7 +6,7 @@ keys), the schema of every section (which keys exist, their types and values; un
 refused with their key path), the frozen structures of the sections only the file can set
 (`resources`, `sharing`, `imex`) and the NVIDIA keys we accept but do not use, and writing a
 document back in the same schema. Must not read the environment or the command line (that is
-agent.config), and must not import anything of `agent` but errors and the _config_ modules.
+agent.config), and must not import anything of `agent` but errors and the modules of agent.config.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple, Union
 
-from agent._config_kinds import (
+from agent.config.kinds import (
     BoolKind,
     ChoiceKind,
     DurationKind,
@@ -30,7 +30,7 @@ from agent._config_kinds import (
     expect_int,
     expect_str,
 )
-from agent._config_options import OPTIONS_BY_KEY
+from agent.config.options import OPTIONS_BY_KEY
 from agent.constants import VCUDA_CORE, VCUDA_CORE_UNITS, VCUDA_MEMORY
 from agent.errors import ConfigError, InvalidValue
 
@@ -122,7 +122,7 @@ class FileLayer(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------
-# The schema. Leaves are OPTION (an option of agent._config_options, looked up by key path),
+# The schema. Leaves are OPTION (an option of agent.config.options, looked up by key path),
 # Compat(kind) (an NVIDIA key gpu-agent accepts, checks and keeps, but does not use), or a
 # Section (a structure of its own). Mappings nest. Order here is the order of written documents.
 

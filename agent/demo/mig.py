@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agent.demo_node import StepNode
+from agent.demo.node import StepNode
 
 PROFILE = "a100-mig"
 
