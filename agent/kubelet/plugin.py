@@ -34,9 +34,10 @@ from agent.rm.manager import ANSWERS_KEPT, PreferredRequest, ResourceManager, Sn
 log = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "gpu-agent-"
-# A ListAndWatch stream is woken at once when kubelet goes away (an RPC-termination callback)
-# or the server stops; this is only the safety net, long so that an idle agent stays asleep.
-STREAM_POLL_S = 5.0
+# A ListAndWatch stream sleeps on its manager's condition, woken by a change of the devices or
+# their health, by kubelet going away (an RPC-termination callback) or by the server stopping;
+# this timeout is only a safety net, long so that an idle agent stays asleep.
+STREAM_RECHECK_S = 60.0
 REGISTER_TIMEOUT_S = 5.0
 # Threads per resource's server: its ListAndWatch stream (two while kubelet re-registers) and
 # the calls kubelet makes one at a time. Not more: with 16, 64 concurrent callers got a fifth
@@ -152,12 +153,13 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
                  manager.resource, len(snapshot.devices),
                  sum(1 for h in snapshot.devices if h.healthy))
         plugin.streams_opened()
-        context.add_callback(manager.wake)  # kubelet gone: end the wait below at once
         try:
+            if not context.add_callback(manager.wake):  # kubelet gone: end the wait at once
+                return  # gone already
             yield list_response(snapshot)
             while context.is_active() and not plugin.stopping:
                 current = manager.wait_for_change(
-                    snapshot.version, STREAM_POLL_S,
+                    snapshot.version, STREAM_RECHECK_S,
                     lambda: plugin.stopping or not context.is_active())
                 if current.closed:
                     return
