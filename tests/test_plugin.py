@@ -183,8 +183,9 @@ def test_manager_versions_health_and_waits():
 def test_manager_answers_allocate_and_preferred_in_request_order(fast_impl):
     m = ResourceManager(RESOURCE_GPU, DGX, ResponseOptions(id_strategy="index"),
                         topology=TopologyModel.numa_only(DGX, topology_module=fast_impl.topology))
-    responses = m.allocate([[IDS[2]], [IDS[5], IDS[4]]])
-    assert [r.envs["NVIDIA_VISIBLE_DEVICES"] for r in responses] == ["2", "5,4"]
+    answers = m.allocate([[IDS[2]], [IDS[5], IDS[4]]])
+    assert [r.envs["NVIDIA_VISIBLE_DEVICES"] for _, r in answers] == ["2", "5,4"]
+    assert [[d.id for d in devices] for devices, _ in answers] == [[IDS[2]], [IDS[5], IDS[4]]]
     with pytest.raises(RequestError, match="duplicate device"):
         m.allocate([[IDS[0]], [IDS[1], IDS[1]]])
     assert m.preferred([PreferredRequest(IDS, [], 2), PreferredRequest(IDS[4:], [IDS[7]], 2)]) \

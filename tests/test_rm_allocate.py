@@ -105,34 +105,29 @@ def test_device_specs_add_the_control_nodes_present_under_the_dev_root(tmp_path)
 
 
 def test_a_control_node_that_appears_later_is_in_the_next_answer(tmp_path):
-    # answers are kept per requested device list, but not with passDeviceSpecs: nvidia-uvm is
+    # with passDeviceSpecs each answer holds the control nodes that exist now: nvidia-uvm is
     # created when CUDA is first used, and the next container must get it
     dev = tmp_path / "dev"
     dev.mkdir()
     (dev / "nvidiactl").touch()
     opts = ResponseOptions(pass_device_specs=True, dev_root=str(tmp_path))
     manager = ResourceManager(RESOURCE_GPU, DEVICES, opts)
-    [first] = manager.allocate([[GPUS[3].uuid]])
+    [(_, first)] = manager.allocate([[GPUS[3].uuid]])
     assert "/dev/nvidia-uvm" not in [s.container_path for s in first.devices]
     (dev / "nvidia-uvm").touch()
-    [second] = manager.allocate([[GPUS[3].uuid]])
+    [(_, second)] = manager.allocate([[GPUS[3].uuid]])
     assert "/dev/nvidia-uvm" in [s.container_path for s in second.devices]
-    # nor may the plugin keep it by the request's bytes: no token to keep it under
-    assert manager.answers([[GPUS[3].uuid]])[1] is None
 
 
-def test_the_same_request_gets_the_kept_answer_until_a_reload():
+def test_the_same_request_gets_the_same_answer_until_a_reload():
     manager = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions())
-    [a] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
-    [b] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
-    assert a is b and a.envs == {"NVIDIA_VISIBLE_DEVICES": f"{GPUS[2].uuid},{GPUS[5].uuid}"}
-    # the token the plugin keeps the answer under (agent.kubelet.plugin) holds until a reload
-    [(devices, kept)], token = manager.answers([[GPUS[2].uuid, GPUS[5].uuid]])
-    assert kept is a and [d.id for d in devices] == [GPUS[2].uuid, GPUS[5].uuid]
-    assert token is manager.answering
+    [(devices, a)] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    [(_, b)] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    assert repr(a) == repr(b)
+    assert a.envs == {"NVIDIA_VISIBLE_DEVICES": f"{GPUS[2].uuid},{GPUS[5].uuid}"}
+    assert [d.id for d in devices] == [GPUS[2].uuid, GPUS[5].uuid]
     manager.reconfigure(DEVICES, ResponseOptions(("volume-mounts",)))
-    assert manager.answering is not token
-    [c] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
+    [(_, c)] = manager.allocate([[GPUS[2].uuid, GPUS[5].uuid]])
     assert c.mounts and c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
 
 
@@ -169,25 +164,15 @@ def test_every_strategy_names_exactly_the_requested_devices(order, id_strategy):
     assert next(iter(r.annotations.values())).split(",") == r.cdi_devices
 
 
-def test_a_kept_answers_recorder_records_with_the_journal_of_its_time():
-    # the plugin keeps an answer's recorder with its bytes; a journal loaded later (the
-    # daemon loads it after the first registration) makes the manager answer anew, so
-    # recorders made before it are not used again
+def test_an_allocate_is_recorded_by_the_journal_hook_of_its_time():
+    # the daemon loads the journal after the first registration and then gives every manager
+    # its hook (agent.rm.resources.Resources.set_journal): each Allocate is recorded by the
+    # hook the manager holds when it answers, with the devices and responses it answered
     calls = []
     m = ResourceManager(RESOURCE_GPU, DEVICES, ResponseOptions(),
                         journal=lambda res, hits: calls.append(("waiting hook", res, len(hits))))
-    hits, token = m.answers([[DEVICES[0].id]])
-    m.recorder(hits)()
-    assert calls == [("waiting hook", RESOURCE_GPU, 1)] and m.answering is token
-
-    def prepare(res, prepared):
-        return lambda: calls.append(("journal", res, prepared[0][0][0].id))
-
-    m.set_journal(lambda res, hits: calls.append(("journal hook", res, len(hits))), prepare)
-    assert m.answering is not token
-    again, token = m.answers([[DEVICES[0].id]])
-    assert [d.id for d in again[0][0]] == [DEVICES[0].id]  # answered anew, under a new token
-    m.recorder(again)()
-    m.record(again)
-    assert calls[1:] == [("journal", RESOURCE_GPU, DEVICES[0].id),
-                         ("journal hook", RESOURCE_GPU, 1)]
+    m.allocate([[DEVICES[0].id]])
+    m.journal = lambda res, hits: calls.append(("journal", res, [d.id for d in hits[0][0]]))
+    [(_, response)] = m.allocate([[DEVICES[0].id]])
+    assert calls == [("waiting hook", RESOURCE_GPU, 1), ("journal", RESOURCE_GPU, [DEVICES[0].id])]
+    assert response.envs == {"NVIDIA_VISIBLE_DEVICES": DEVICES[0].id}

@@ -4,32 +4,34 @@ Owns: the socket of one resource in kubelet's device-plugin directory (created m
 removed on stop), the DevicePlugin service (GetDevicePluginOptions, ListAndWatch,
 GetPreferredAllocation, Allocate, PreStartContainer) answering from an
 `agent.rm.manager.ResourceManager`, and the Register call towards kubelet.sock. Protobuf in,
-plain data to the manager, protobuf out (Allocate decodes and encodes its own bytes, and keeps
-its answers by the request's bytes: `_add_servicer`): a RequestError from the manager becomes
-INVALID_ARGUMENT with its reason, a StateError (the allocation could not be recorded)
-UNAVAILABLE, and the server keeps serving. Must not call NVML (it never imports agent.nvml)
-nor decide lifecycle: `agent.kubelet.registrar` starts, stops and re-registers.
+plain data to the manager, protobuf out: a RequestError from the manager (or bytes that are
+no AllocateRequest) becomes INVALID_ARGUMENT with its reason, a StateError (the allocation
+could not be recorded in the journal) UNAVAILABLE, and the server keeps serving. A
+ListAndWatch stream sleeps until the manager's devices or health change. Must not call NVML
+(it never imports agent.nvml) nor decide lifecycle: `agent.kubelet.registrar` starts, stops
+and re-registers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from concurrent import futures
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from agent import latency, logs
+from agent import latency
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
 from agent.errors import AgentError, RegistrationError, RequestError, StateError
 from agent.rm.allocate import ContainerResponse
-from agent.rm.manager import ANSWERS_KEPT, PreferredRequest, ResourceManager, Snapshot
+from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +42,15 @@ SOCKET_PREFIX = "gpu-agent-"
 STREAM_RECHECK_S = 60.0
 REGISTER_TIMEOUT_S = 5.0
 # Threads per resource's server: its ListAndWatch stream (two while kubelet re-registers) and
-# the calls kubelet makes one at a time. Not more: with 16, 64 concurrent callers got a fifth
-# to a quarter fewer Allocates a second through than with 4, while the bare grpcio server
-# did the same at either count (bench/bench_floor.py). The likely cause is the journal: an
-# Allocate lets go of Python's lock while its entry is written, and the threads waiting for
-# the lock each take a turn (the journal left out, 16 threads came within 15-20% of the bare
-# server; 4 threads without it were not measured). More callers than threads queue in
-# gRPC's core, not in Python.
+# the calls kubelet makes one at a time. More callers than threads queue in gRPC's core; 16
+# threads let 64 concurrent callers through a fifth slower than 4 (bench/bench_floor.py).
 WORKERS = 4
 SERVICE = "v1beta1.DevicePlugin"
-# An Allocate request's bytes are kept (as the key to its answer) up to this length: a
-# request for a whole 8-GPU node is some 400 bytes; a rare huge one is decoded each time.
-REQUEST_KEPT_BYTES = 4096
-_CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
 def socket_name(resource: str) -> str:
-    """The plugin socket's file name: gpu-agent-<name after the slash>.sock, e.g.
-    gpu-agent-gpu.sock for nvidia.com/gpu (distinct from NVIDIA's nvidia-gpu.sock, so the two
-    never remove each other's socket during a migration)."""
+    """gpu-agent-<name after the slash>.sock (gpu-agent-gpu.sock for nvidia.com/gpu: not
+    NVIDIA's nvidia-gpu.sock, so the two never remove each other's socket in a migration)."""
     return f"{SOCKET_PREFIX}{resource.rsplit('/', 1)[-1]}.sock"
 
 
@@ -86,31 +78,6 @@ def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
     )
 
 
-class _Gpus:
-    """A container's GPUs as the Allocate log line shows them (its devices, in request order),
-    formatted when first written (by agent.logs' writer thread) and kept: each kept answer
-    carries one, so a repeated answer's line costs the writer no formatting."""
-
-    __slots__ = ("devices", "text")
-
-    def __init__(self, devices: list):
-        self.devices, self.text = devices, None
-
-    def __str__(self) -> str:
-        if self.text is None:
-            self.text = ", ".join(_device_text(d) for d in self.devices)
-        return self.text
-
-
-def _device_text(d) -> str:
-    if d.replica_of:
-        shared = f"GPU {d.index}" if d.gi is None else f"MIG {d.index} on GPU {d.gpu_index}"
-        return f"{d.id} (replica of {shared} {d.gpu_uuid})"
-    if d.gi is None:
-        return f"{d.gpu_uuid} (GPU {d.gpu_index})"
-    return f"{d.id} (MIG {d.index} on GPU {d.gpu_index} {d.gpu_uuid})"
-
-
 def _timed(histogram: latency.Histogram, handler, request, context):
     """handler(request, context), its time (refused calls too) observed in `histogram`."""
     started = time.perf_counter()
@@ -120,25 +87,10 @@ def _timed(histogram: latency.Histogram, handler, request, context):
         histogram.observe(time.perf_counter() - started)
 
 
-class _Kept(NamedTuple):
-    """An Allocate answer as `_DevicePlugin` keeps it: the manager's token it holds under, what
-    records it in the journal (the manager's `recorder`), the bytes sent, and each
-    container's GPUs for its log line."""
-
-    token: object
-    record: Callable[[], object]
-    data: bytes
-    lines: tuple
-
-
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
-        # Allocate's answers by the request's bytes on the wire: kubelet asks for the same few
-        # device sets again and again, and a repeat is then answered by one dict lookup (no
-        # protobuf decoding or encoding, no manager lookup) while the manager's token holds
-        self._kept: dict[bytes, _Kept] = {}
         self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
         self._preferred_latency = latency.histogram("GetPreferredAllocation",
                                                     self.manager.resource)
@@ -174,28 +126,32 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request, context):
         return _timed(self._preferred_latency, self._preferred, request, context)
 
-    def Allocate(self, raw: bytes, context) -> bytes:
-        """Allocate on the wire's bytes (see `_add_servicer`): the answer kept for these
-        bytes, or a new one; recorded in the journal before it is sent. `_timed`, inline:
-        every call of this path costs the Allocate (docs/state.md, "What an Allocate
-        costs")."""
-        started = time.perf_counter()
+    def Allocate(self, raw: bytes, context) -> dp.AllocateResponse:
+        return _timed(self._allocate_latency, self._allocate, raw, context)
+
+    def _allocate(self, raw: bytes, context) -> dp.AllocateResponse:
+        """The answer to `raw`'s AllocateRequest, recorded by `manager.allocate` before it is sent."""
+        manager = self.manager
         try:
-            manager = self.manager
-            kept = self._kept.get(raw)
-            if kept is None or kept.token is not manager.answering:
-                kept = self._answer(raw, context)
-            try:
-                kept.record()
-            except StateError as exc:  # not recorded: kubelet must not start the container
-                log.error("%s: Allocate failed: %s", manager.resource, exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-            for gpus in kept.lines:  # the line operators grep for, made off this thread
-                logs.later(log, logging.INFO, "%s: allocated to a container: %s",
-                           manager.resource, gpus)
-            return kept.data
-        finally:
-            self._allocate_latency.observe(time.perf_counter() - started)
+            request = dp.AllocateRequest.FromString(raw)
+        except DecodeError as exc:
+            log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
+                        manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the request is not a valid AllocateRequest: {exc}")
+        try:
+            allocations = manager.allocate([c.devices_ids for c in request.container_requests])
+        except RequestError as exc:
+            log.warning("%s: refused Allocate: %s", manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StateError as exc:  # not recorded: kubelet must not start the container
+            log.error("%s: Allocate failed: %s", manager.resource, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
+        for devices, _ in allocations:  # the line operators grep for
+            log.info("%s: allocated to a container: %s", manager.resource,
+                     ", ".join(d.describe() for d in devices))
+        return dp.AllocateResponse(container_responses=[
+            _container_response(a.response) for a in allocations])
 
     def _preferred(self, request, context):
         requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
@@ -210,61 +166,25 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         return dp.PreferredAllocationResponse(container_responses=[
             dp.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in picks])
 
-    def _answer(self, raw: bytes, context) -> _Kept:
-        """The answer to the AllocateRequest `raw`, kept for its bytes when the manager keeps
-        its answers; INVALID_ARGUMENT with the reason when it cannot be answered."""
-        manager = self.manager
-        try:
-            request = dp.AllocateRequest.FromString(raw)
-        except DecodeError as exc:
-            log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
-                        manager.resource, exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the request is not a valid AllocateRequest: {exc}")
-        ids = [tuple(c.devices_ids) for c in request.container_requests]
-        try:
-            hits, token = manager.answers(ids)
-        except RequestError as exc:
-            log.warning("%s: refused Allocate: %s", manager.resource, exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        answer = dp.AllocateResponse(container_responses=[
-            _container_response(response) for _, response in hits])
-        kept = _Kept(token, manager.recorder(hits), answer.SerializeToString(),
-                     tuple(_Gpus(devices) for devices, _ in hits))
-        if token is not None and len(raw) <= REQUEST_KEPT_BYTES:
-            if len(self._kept) >= ANSWERS_KEPT:
-                self._kept.clear()
-            self._kept[raw] = kept
-        return kept
-
     def PreStartContainer(self, request, context):
         return dp.PreStartContainerResponse()
 
 
 def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
-    """dp_grpc.add_DevicePluginServicer_to_server, with Allocate taking and returning the
-    bytes on the wire: its requests repeat and its answers are kept, so neither needs a
-    message made or serialized per call (`_DevicePlugin.Allocate`)."""
-    def unary(method, request, response):
-        return grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString)
-
-    handlers = {
-        "GetDevicePluginOptions": unary(servicer.GetDevicePluginOptions, dp.Empty,
-                                        dp.DevicePluginOptions),
-        "ListAndWatch": grpc.unary_stream_rpc_method_handler(
-            servicer.ListAndWatch, request_deserializer=dp.Empty.FromString,
-            response_serializer=dp.ListAndWatchResponse.SerializeToString),
-        "GetPreferredAllocation": unary(servicer.GetPreferredAllocation,
-                                        dp.PreferredAllocationRequest,
-                                        dp.PreferredAllocationResponse),
-        "Allocate": grpc.unary_unary_rpc_method_handler(servicer.Allocate),
-        "PreStartContainer": unary(servicer.PreStartContainer, dp.PreStartContainerRequest,
-                                   dp.PreStartContainerResponse),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    """dp_grpc.add_DevicePluginServicer_to_server, except that Allocate gets its request's
+    bytes and decodes them itself: bytes that are no AllocateRequest are refused with
+    INVALID_ARGUMENT and the reason, where gRPC's decoding would answer INTERNAL."""
+    handlers = {name: grpc.unary_unary_rpc_method_handler(
+        getattr(servicer, name), request and request.FromString, response.SerializeToString)
+        for name, request, response in (
+            ("GetDevicePluginOptions", dp.Empty, dp.DevicePluginOptions),
+            ("GetPreferredAllocation", dp.PreferredAllocationRequest,
+             dp.PreferredAllocationResponse),
+            ("Allocate", None, dp.AllocateResponse),
+            ("PreStartContainer", dp.PreStartContainerRequest, dp.PreStartContainerResponse))}
+    handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
+        servicer.ListAndWatch, dp.Empty.FromString, dp.ListAndWatchResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
@@ -312,19 +232,12 @@ class PluginServer:
         if dropped and self.on_dropped is not None:
             self.on_dropped()
 
-    @property
-    def open_streams(self) -> int:
-        with self._lock:
-            return self._streams
-
     def start(self) -> None:
         """Listen on our path. kubelet may wipe its directory at any moment, this one
         included: a socket that vanished as it was made leaves `owns_socket()` False (the
         registrar then starts another server), never an exception out of here."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket left by a crash: nobody is serving it
-        except FileNotFoundError:
-            pass
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
                                                         thread_name_prefix="plugin"),
                              options=[("grpc.so_reuseport", 0)])
@@ -361,7 +274,8 @@ class PluginServer:
                                      resource_name=self.resource, options=self.options)
         with self._lock:  # before the call: kubelet may open its stream before it answers
             self._opened_since_register = 0
-        channel = grpc.insecure_channel(f"unix:{kubelet_socket}", options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(f"unix:{kubelet_socket}",
+                                        options=[("grpc.enable_http_proxy", 0)])
         try:
             dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout,
                                                        wait_for_ready=False)
@@ -381,8 +295,6 @@ class PluginServer:
             return
         server.stop(grace).wait(grace + 1.0)
         if self.owns_socket():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
         log.info("%s: stopped serving on %s", self.resource, self.path)

@@ -48,6 +48,16 @@ class Device(NamedTuple):
     replicas: int = 0
     memory: int = 0  # bytes of the GPU or MIG device (MPS memory limits)
 
+    def describe(self) -> str:
+        """The device for a log line: its ID, and the GPU (UUID and index) behind it."""
+        if self.replica_of:
+            shared = f"GPU {self.index}" if self.gi is None else \
+                f"MIG {self.index} on GPU {self.gpu_index}"
+            return f"{self.id} (replica of {shared} {self.gpu_uuid})"
+        if self.gi is None:
+            return f"{self.gpu_uuid} (GPU {self.gpu_index})"
+        return f"{self.id} (MIG {self.index} on GPU {self.gpu_index} {self.gpu_uuid})"
+
 
 def full_gpu_devices(gpus: Iterable[Gpu]) -> list[Device]:
     """One full-GPU device per GPU, in index order, MIG-enabled or not (the caller leaves out

@@ -11,7 +11,6 @@ changes come in through `set_health`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -30,10 +29,6 @@ from agent.rm.topology import TopologyModel
 
 log = logging.getLogger(__name__)
 
-# Allocate answers kept per requested device list (the same request gets the same answer until
-# a reload changes the options or devices); cleared when full.
-ANSWERS_KEPT = 1024
-
 
 class DeviceHealth(NamedTuple):
     """A device and its health at one moment (a line of a ListAndWatch snapshot)."""
@@ -51,6 +46,13 @@ class Snapshot(NamedTuple):
     closed: bool = False
 
 
+class Allocation(NamedTuple):
+    """One container's answer to Allocate: the devices it asked for and what it gets."""
+
+    devices: list[Device]
+    response: ContainerResponse
+
+
 class PreferredRequest(NamedTuple):
     """One container's GetPreferredAllocation request, as plain data."""
 
@@ -64,10 +66,7 @@ class ResourceManager:
     Allocate responses (device-list and device-ID strategies, passDeviceSpecs...)."""
 
     def __init__(self, resource: str, devices: Sequence[Device], options: ResponseOptions, *,
-                 journal: Callable[[str, list[tuple[list[Device], ContainerResponse]]], object]
-                 | None = None,
-                 prepare: Callable[[str, list[tuple[list[Device], ContainerResponse]]],
-                                   Callable[[], object]] | None = None,
+                 journal: Callable[[str, list[Allocation]], object] | None = None,
                  topology: TopologyModel | None = None,
                  allocation_policy: str = "best-effort",
                  replica_policy: str = "distributed", one_replica: bool = False,
@@ -78,22 +77,18 @@ class ResourceManager:
         self.allocation_policy = allocation_policy
         self.replica_policy = replica_policy
         # Called with (resource, [(devices, response) per container]) before Allocate answers;
-        # it returns once the allocation is durable or raises (agent.state.journal).
+        # it returns once the allocation is written or raises (agent.state.journal).
         self.journal = journal
-        # Called with the same for an answer a caller keeps: what records it, as `journal`
-        # would, on each repeat (`recorder`); None: `record` bound to it.
-        self.prepare = prepare
         self.devices: tuple[Device, ...] = tuple(devices)
         self.by_id = {d.id: d for d in self.devices}
         # The node's link model, built once per device set (agent.rm.topology); without one,
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
-        # (options, devices by ID, answers by request, one replica per container:
-        # failRequestsGreaterThanOne): replaced whole by reconfigure, read once per Allocate.
-        # Its identity is the token under which answers given earlier may be given again
-        # (`answers`): a caller that keeps one checks `manager.answering is token`.
-        self.answering = (options, self.by_id, {}, one_replica)
+        # (options, devices by ID, one replica per container: failRequestsGreaterThanOne):
+        # replaced whole by reconfigure, read once per Allocate, so that an Allocate during a
+        # reload gets the old settings or the new ones, never a mix
+        self._allocating = (options, self.by_id, one_replica)
         self._cond = threading.Condition()
         self._version = 1
         self._closed = False
@@ -178,10 +173,10 @@ class ResourceManager:
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
             self.one_gpu = one_gpu
             if devices == self.devices:
-                self.answering = (options, self.by_id, {}, one_replica)
+                self._allocating = (options, self.by_id, one_replica)
                 return False
             self.devices, self.by_id = devices, {d.id: d for d in devices}
-            self.answering = (options, self.by_id, {}, one_replica)
+            self._allocating = (options, self.by_id, one_replica)
             self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
             self._version += 1
             self._cond.notify_all()
@@ -196,65 +191,22 @@ class ResourceManager:
 
     # -- kubelet's questions -----------------------------------------------------------------
 
-    def allocate(self, container_requests: Sequence[Sequence[str]]) -> list[ContainerResponse]:
-        """One ContainerResponse per container request, in order; RequestError (nothing
-        allocated) if any request is empty, repeats an ID or names an unknown one. With a
-        `journal`, the allocation is recorded durably before this returns (StateError if not)."""
-        hits, _ = self.answers(container_requests)
-        self.record(hits)
-        return [response for _, response in hits]
-
-    def answers(self, container_requests: Sequence[Sequence[str]]
-                ) -> tuple[list[tuple[list[Device], ContainerResponse]], object]:
-        """The devices and the response for each container request, in order (RequestError
-        as `allocate`), not recorded; and the token under which the same requests may be
-        given the same pairs again, without asking (while `self.answering is token`), or None
-        when each Allocate must get answers of its own (a new CDI annotation key every time;
-        with passDeviceSpecs the control nodes that exist now: nvidia-uvm appears on first
-        use)."""
-        answering = self.answering
-        options, by_id, answers, one_replica = answering
-        kept = not options.pass_device_specs and "cdi-annotations" not in options.list_strategies
+    def allocate(self, container_requests: Sequence[Sequence[str]]) -> list[Allocation]:
+        """The devices and the ContainerResponse for each container request, in order;
+        RequestError (nothing allocated) if any request is empty, repeats an ID or names an
+        unknown one. With a `journal`, the allocation is recorded before this returns
+        (StateError if it could not be)."""
+        options, by_id, one_replica = self._allocating
         out = []
         for ids in container_requests:
-            key = tuple(ids)
-            hit = answers.get(key)
-            if hit is None:
-                devices = resolve_request(self.resource, ids, by_id)
-                if one_replica:
-                    check_shared_request(self.resource, devices)
-                hit = (devices, container_response(devices, options, resource=self.resource))
-                if kept:
-                    if len(answers) >= ANSWERS_KEPT:
-                        answers.clear()
-                    answers[key] = hit
-            out.append(hit)
-        return out, answering if kept else None
-
-    def record(self, hits: list[tuple[list[Device], ContainerResponse]]) -> None:
-        """Record the (devices, response) pairs `answers` gave, for one Allocate, durably
-        (StateError if not); nothing without a `journal`."""
+            devices = resolve_request(self.resource, ids, by_id)
+            if one_replica:
+                check_shared_request(self.resource, devices)
+            out.append(Allocation(devices, container_response(devices, options,
+                                                              resource=self.resource)))
         if self.journal is not None:
-            self.journal(self.resource, hits)
-
-    def recorder(self, hits: list[tuple[list[Device], ContainerResponse]]
-                 ) -> Callable[[], object]:
-        """What records one Allocate answered with `hits` each time it is called, as
-        `record(hits)` does: made once per answer a caller keeps (the journal's own when it
-        prepares them, `prepare`)."""
-        prepare = self.prepare
-        if prepare is not None:
-            return prepare(self.resource, hits)
-        return functools.partial(self.record, hits)
-
-    def set_journal(self, journal: Callable, prepare: Callable | None) -> None:
-        """Record with `journal` and `prepare` from now on. Answers given before are not given
-        again (a caller that keeps one finds a new `answering`): their recorders are the
-        ones made before."""
-        with self._cond:
-            self.journal, self.prepare = journal, prepare
-            options, by_id, _, one_replica = self.answering
-            self.answering = (options, by_id, {}, one_replica)
+            self.journal(self.resource, out)
+        return out
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one

@@ -59,8 +59,7 @@ class Resources:
     `set_journal` (agent.state) before it is answered."""
 
     def __init__(self) -> None:
-        self._journal: Callable | None = None
-        self._prepare: Callable | None = None
+        self._journal: Callable | None = None  # the journal's record_allocation, once loaded
         self._records: Callable[[], Sequence] = tuple  # the journal's records, once loaded
         self._journal_set = threading.Event()
         self.mig_watch = MigWatch()
@@ -71,22 +70,18 @@ class Resources:
         self.mps: dict[str, MpsGpu] = {}  # the GPUs sharing.mps shares (agent.mps runs them)
 
     def set_journal(self, journal: Any) -> None:
-        """Record with `journal` (agent.state.journal.Journal, loaded) from now on: its
-        record_allocation, recorder and records."""
-        self._journal, self._prepare = journal.record_allocation, journal.recorder
-        self._records = journal.records
+        """Record with `journal` (agent.state.journal.Journal, loaded) from now on: every
+        manager's journal hook is its record_allocation."""
+        self._journal, self._records = journal.record_allocation, journal.records
         self._journal_set.set()
-        for manager in self.managers.values():  # from now on straight to it: fewer calls
-            manager.set_journal(self._journal, self._prepare)  # per Allocate (and made since)
-
-    def _hook(self) -> Callable:
-        """The journal hook a new manager gets: the journal once loaded, `_record` before."""
-        return self._journal if self._journal is not None else self._record
+        for manager in self.managers.values():
+            manager.journal = self._journal
 
     def _record(self, resource: str, allocations: list) -> object:
-        """The managers' journal hook. The journal loads after the first registration (it is
-        not on the start path): an Allocate that comes before it waits, then is recorded."""
-        if self._journal is None and not self._journal_set.wait(JOURNAL_WAIT_S):
+        """The managers' journal hook until the journal is loaded (after the first
+        registration: it is not on the start path): an Allocate that comes before waits for
+        it, then is recorded."""
+        if not self._journal_set.wait(JOURNAL_WAIT_S):
             raise StateError(f"the allocation journal is not loaded after {JOURNAL_WAIT_S:g} s")
         return self._journal(resource, allocations)
 
@@ -128,8 +123,9 @@ class Resources:
         for name, devices in device_map.items():
             manager = self.managers.get(name)
             if manager is None:
-                manager = ResourceManager(name, devices, options, journal=self._hook(),
-                                          prepare=self._prepare, topology=topology, **policies)
+                manager = ResourceManager(name, devices, options,
+                                          journal=self._journal or self._record,
+                                          topology=topology, **policies)
             else:
                 manager.reconfigure(devices, options, topology=topology, **policies)
             managers[name] = manager
