@@ -92,7 +92,6 @@ def fast_extensions():
     exts = [
         Extension("agent._fast.events", ["agent/_fast/events.pyx"], **common),
         Extension("agent._fast.topology", ["agent/_fast/topology.pyx"], **common),
-        Extension("agent._fast.entries", ["agent/_fast/entries.pyx"], **common),
     ]
     exts = [e for e in exts if Path(e.sources[0]).exists()]
     directives = {"language_level": "3", "embedsignature": True}

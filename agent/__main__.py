@@ -34,8 +34,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"gpu-agent {__version__}")
     print(f"hot paths: {_fast.IMPLEMENTATION} "
-          f"(events: {_fast.events_impl.__name__}, topology: {_fast.topology_impl.__name__}, "
-          f"entries: {_fast.entries_impl.__name__})")
+          f"(events: {_fast.events_impl.__name__}, topology: {_fast.topology_impl.__name__})")
     print(f"python: {sys.version.split()[0]}")
     if doc is None:
         print(f"agent: no status in {state_dir} (never started there)")

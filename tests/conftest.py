@@ -22,10 +22,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
-# The modules of each implementation of agent._fast: (events, topology, entries).
+# The modules of each implementation of agent._fast: (events, topology).
 FAST_MODULES = {
-    "cython": ("agent._fast.events", "agent._fast.topology", "agent._fast.entries"),
-    "python": ("agent._fast._events_py", "agent._fast._topology_py", "agent._fast._entries_py"),
+    "cython": ("agent._fast.events", "agent._fast.topology"),
+    "python": ("agent._fast._events_py", "agent._fast._topology_py"),
 }
 
 
@@ -33,15 +33,13 @@ FAST_MODULES = {
 class FastImpl:
     """One implementation of agent._fast's hot paths: its modules, imported directly (not through
     the selector, so a compiled module that fails to import fails the test), for in-process
-    code that takes them (HealthMonitor's `events_module`, TopologyModel's `topology_module`,
-    agent.state.frames.scan's `entries_module`),
+    code that takes them (HealthMonitor's `events_module`, TopologyModel's `topology_module`),
     and `pure_python` for a child `gpu-agent`: daemon_harness.Node(pure_python=True) gives it
     GPU_AGENT_PURE_PYTHON=1, and its selector then picks the twins."""
 
     name: str  # "cython" or "python"
     events: ModuleType
     topology: ModuleType
-    entries: ModuleType
 
     @property
     def pure_python(self) -> bool:

@@ -1,4 +1,4 @@
-"""The compiled hot paths exist and are live: agent._fast.events, .topology and .entries import as extension
+"""The compiled hot paths exist and are live: agent._fast.events and .topology import as extension
 modules built from the current sources (so this suite fails on an unbuilt tree rather than
 quietly testing the twins twice), the selector picks them by default and the twins under
 GPU_AGENT_PURE_PYTHON=1, both implementations offer the same API, and `gpu-agent status` says
@@ -22,10 +22,9 @@ FAST = ROOT / "agent" / "_fast"
 PAIRS = [
     pytest.param("events", "_events_py", id="events"),
     pytest.param("topology", "_topology_py", id="topology"),
-    pytest.param("entries", "_entries_py", id="entries"),
 ]
-# events.pyx cimports nvml.pxd; topology has its .pxd; entries stands alone
-SOURCES = {"events": 2, "topology": 2, "entries": 1}
+# events.pyx cimports nvml.pxd; topology has its .pxd
+SOURCES = {"events": 2, "topology": 2}
 
 
 @pytest.mark.parametrize(("compiled", "twin"), PAIRS)
@@ -76,20 +75,16 @@ def _selector(pure: str | None) -> tuple[str, str]:
     if pure is not None:
         env["GPU_AGENT_PURE_PYTHON"] = pure
     code = ("from agent import _fast; "
-            "print(_fast.IMPLEMENTATION, _fast.events_impl.__name__, _fast.topology_impl.__name__, "
-            "_fast.entries_impl.__name__)")
+            "print(_fast.IMPLEMENTATION, _fast.events_impl.__name__, _fast.topology_impl.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     return proc.stdout.strip(), proc.stderr
 
 
 @pytest.mark.parametrize(("pure", "expected"), [
-    pytest.param(None, "cython agent._fast.events agent._fast.topology agent._fast.entries",
-                 id="default"),
-    pytest.param("0", "cython agent._fast.events agent._fast.topology agent._fast.entries",
-                 id="pure-0"),
-    pytest.param("1", "python agent._fast._events_py agent._fast._topology_py "
-                      "agent._fast._entries_py", id="pure-1"),
+    pytest.param(None, "cython agent._fast.events agent._fast.topology", id="default"),
+    pytest.param("0", "cython agent._fast.events agent._fast.topology", id="pure-0"),
+    pytest.param("1", "python agent._fast._events_py agent._fast._topology_py", id="pure-1"),
 ])
 def test_selector_picks_the_implementation(pure, expected):
     out, err = _selector(pure)
@@ -99,11 +94,9 @@ def test_selector_picks_the_implementation(pure, expected):
 
 @pytest.mark.parametrize(("pure", "expected"), [
     pytest.param(None, "hot paths: cython (events: agent._fast.events, "
-                       "topology: agent._fast.topology, entries: agent._fast.entries)",
-                 id="cython"),
+                       "topology: agent._fast.topology)", id="cython"),
     pytest.param("1", "hot paths: python (events: agent._fast._events_py, "
-                      "topology: agent._fast._topology_py, entries: agent._fast._entries_py)",
-                 id="python"),
+                      "topology: agent._fast._topology_py)", id="python"),
 ])
 def test_status_names_the_live_implementation(pure, expected):
     env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_PURE_PYTHON"}
@@ -112,19 +105,13 @@ def test_status_names_the_live_implementation(pure, expected):
     assert expected in run_gpu_agent("status", env=env, check=False).stdout.splitlines()
 
 
-@pytest.mark.parametrize("pure", [None, "1"], ids=["cython", "python"])
-def test_the_entries_module_loads_on_first_use_not_with_the_selector(pure):
-    """The journal loads after the first registration: the start path (which imports the
-    selector for the event loop) must not import the journal's entries module (its replay and
-    packing), nor msgpack with it."""
-    env = {k: v for k, v in os.environ.items() if k != "GPU_AGENT_PURE_PYTHON"}
-    if pure is not None:
-        env["GPU_AGENT_PURE_PYTHON"] = pure
-    code = ("import sys; from agent import _fast; "
-            "before = [m for m in ('agent._fast.entries', 'agent._fast._entries_py', 'msgpack') "
-            "if m in sys.modules]; "
-            "print(before, _fast.entries_impl.__name__, _fast.entries_impl.__name__ in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60, check=True)
-    name = "agent._fast._entries_py" if pure else "agent._fast.entries"
-    assert proc.stdout.split() == ["[]", name, "True"]
+def test_the_start_path_imports_neither_the_journal_nor_msgpack():
+    """The journal loads after the first registration: what `gpu-agent run` imports to start
+    (the selector of the event loop's implementation included) brings neither the journal's
+    codec nor msgpack."""
+    code = ("import sys; import agent._fast, agent.__main__, agent.daemon; "
+            "print([m for m in ('agent.state.journal', 'agent.state.frames', 'msgpack') "
+            "if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert proc.stdout.split() == ["[]"]

@@ -243,11 +243,9 @@ def _life(node: Node, rng: random.Random, returned: list[str], strategy: str
 # `make test-under-load` (stress-ng on both CPUs); every wait inside is for an event
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", [
-    # every response differs (its CDI annotation): no answer is kept, each is recorded
-    # through the journal's general path
+    # every response differs (its CDI annotation): each record holds its own
     "envvar,cdi-annotations",
-    # the same device sets again and again: the plugin keeps its answers, and the journal
-    # records them with its one-function path (Journal._record_one)
+    # the same device sets again and again: records of one answer share its parts
     "envvar",
 ])
 def test_kill_9_at_random_moments_never_loses_an_answered_allocation(node, strategy):

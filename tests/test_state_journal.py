@@ -53,9 +53,8 @@ def state(tmp_path):
     return d
 
 
-def journal_at(state, boot="boot-1", keyed_by="uuid", entries_module=None) -> Journal:
-    j = Journal(str(state / JOURNAL_FILE), boot=boot, keyed_by=keyed_by,
-                entries_module=entries_module)
+def journal_at(state, boot="boot-1", keyed_by="uuid") -> Journal:
+    j = Journal(str(state / JOURNAL_FILE), boot=boot, keyed_by=keyed_by)
     j.load()
     return j
 
@@ -82,15 +81,15 @@ def test_records_survive_a_new_journal(state):
     assert again.loaded == 4 and again.set_aside == []
 
 
-def test_a_recorder_writes_a_record_each_time_it_is_called(state):
-    # what the plugin keeps with an answer: each repeat of the same Allocate is a record of
-    # its own, in the file when the call returns, as record_allocation writes it
+def test_each_repeat_of_an_allocate_is_a_record_of_its_own(state):
+    # the same answer again and again (as kubelet asks for the same devices): each repeat is
+    # a record of its own, in the file when the call returns
     j = journal_at(state)
     one = [DEVICES[3]]
-    record = j.recorder("nvidia.com/gpu", [(one, container_response(one, OPTIONS))])
+    answer = [(one, container_response(one, OPTIONS))]
     both = [(DEVICES[i:i + 1], container_response(DEVICES[i:i + 1], OPTIONS)) for i in (4, 6)]
-    record_two = j.recorder("nvidia.com/gpu", both)  # two containers: the general path
-    ids = [record() for _ in range(3)] + [record_two()]
+    ids = [j.record_allocation("nvidia.com/gpu", answer) for _ in range(3)] + \
+        [j.record_allocation("nvidia.com/gpu", both)]
     assert [len(i) for i in ids] == [1, 1, 1, 2] and len({r for i in ids for r in i}) == 5
     on_disk = {r.id: r for r in read_journal(j.path).records}
     assert on_disk == {r.id: r for r in j.records()} and len(on_disk) == 5
@@ -99,19 +98,18 @@ def test_a_recorder_writes_a_record_each_time_it_is_called(state):
     assert journal_at(state).records() == j.records()
 
 
-def test_an_armed_call_comes_once_after_the_next_allocate_is_written(state):
-    # the reconciler's "a pass soon" (Journal.arm): once per arming, whichever path records
+def test_the_allocate_listener_is_called_after_each_allocate_is_written(state):
+    # the reconciler's "a pass soon" (Journal.on_allocate): after the write, once per Allocate
+    # (however many containers), never for a reconciliation's own entries
     j = journal_at(state)
     seen = []
-    j.arm(lambda: seen.append(len(read_journal(j.path).records)))
+    j.on_allocate = lambda: seen.append(len(read_journal(j.path).records))
     allocate(j, 0)
     allocate(j, 1)
-    assert seen == [1]
-    j.arm(lambda: seen.append(len(read_journal(j.path).records)))
-    j.recorder("nvidia.com/gpu", [([d], container_response([d], OPTIONS))
-                                  for d in DEVICES[2:4]])()
-    allocate(j, 4)
-    assert seen == [1, 4]
+    j.record_allocation("nvidia.com/gpu", [([d], container_response([d], OPTIONS))
+                                           for d in DEVICES[2:4]])
+    j.apply(ck_outcome(dropped=[j.records()[0]]))
+    assert seen == [1, 2, 4]
 
 
 def test_concurrent_callers_share_writes_and_each_returns_durable(state):
@@ -381,14 +379,13 @@ def test_a_read_only_state_dir_refuses_and_recovers_on_remount(small_fs):
     assert journal_at(small_fs).records() == (kept, later)
 
 
-def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state, fast_impl):
-    # record_allocation packs each answer once and only the ID and time per Allocate (in
-    # agent._fast.entries or its twin): the bytes must be those put_frame writes, or a
-    # replay would read something else
-    j = journal_at(state, entries_module=fast_impl.entries)
+def test_a_new_records_entry_is_the_plain_one(state):
+    # the bytes record_allocation writes must be those put_frame writes, or a replay would
+    # read something else
+    j = journal_at(state)
     first = allocate(j, 2, 3)
     second = allocate(j, 2, 3)
-    # held in memory in a compact form (time and the answer's record): read back the same
+    # held in memory sharing the answer's parts: read back the same
     assert j.records() == (first, second)
     assert (j.status()["allocations"], j.status()["pending"]) == (2, 2)
     j.close()
@@ -399,8 +396,8 @@ def test_a_new_records_entry_assembled_from_shared_pieces_is_the_plain_one(state
 
 
 def test_a_pass_that_changes_no_new_record_writes_nothing(state):
-    # New records are held compactly (time and their answer's record); a reconciliation hands
-    # back Records made from them, and one that leaves them as they were must write nothing
+    # A reconciliation hands back new Records for those it kept, and one that leaves them as
+    # they were must write nothing
     from agent.state.reconcile import PodDevices, reconcile
 
     j = journal_at(state)

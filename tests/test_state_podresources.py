@@ -221,8 +221,8 @@ def _attributed(j: Journal, rid: str, timeout: float = 30.0):
 
 
 def test_each_allocate_after_a_pass_asks_for_the_next_one(short_dir):
-    # the journal calls the reconciler for the first Allocate after a pass began or ended
-    # only (Journal.arm): the next Allocate after that pass must ask again, or its record
+    # each Allocate asks the reconciler for a pass soon (Journal.on_allocate), which a pass
+    # already due absorbs: the next Allocate after that pass must ask again, or its record
     # waits for the period (a minute here) to meet its pod
     socket = os.path.join(short_dir, "kubelet.sock")
     listing = _Listing()

@@ -1,36 +1,37 @@
-"""The checkpoint file format: what one allocation record holds and how the file is framed.
+"""What one allocation record holds, its one encoder and one decoder, and the old checkpoint.
 
 Owns: `Record` (one container's allocation: resource, device IDs, the physical GPUs behind
 them, the Allocate response given (None for an allocation adopted from podresources, whose
 response the agent never saw), when, in which boot, and the pod it was attributed to),
-`Checkpoint` (the records and when/where they were written), `encode` / `decode`, and
-and `by_age` (the order of records).
+`record_data` / `record_from_data` (a record as the msgpack map of the schema, and back: the
+only encoder and decoder of a record, for the journal's entries and the old file alike),
+`by_age` (the order of records), and the single-file checkpoint of schema 1 (`Checkpoint`,
+`decode`, and `encode` for the files the migration is tested on), which the journal reads
+once to migrate it.
 
-The file is one msgpack map, the frame, which every version of gpu-agent keeps as it is:
+The old file is one msgpack map, the frame:
 
     {"format": "gpu-agent checkpoint", "version": 1, "sha256": <32 bytes>, "body": <bytes>}
 
 `sha256` is the SHA-256 of b"<version>:" + body, so a flipped bit anywhere (version included)
 is a checksum mismatch, and a file a newer gpu-agent wrote (a higher version, its checksum
 right) is told apart from a damaged one. `body` is itself msgpack; its schema for version 1 is
-in docs/state.md. `decode` checks every field and raises CheckpointError with a `kind`
-("truncated", "corrupt", "version") and the path of the bad field. Must not touch files, import
-grpc or NVML, or know what the agent does with records (agent.state.journal stores them,
-agent.state.reconcile matches them to pods).
+in docs/state.md. `decode` and `record_from_data` check every field and raise CheckpointError
+with a `kind` ("truncated", "corrupt", "version") and the path of the bad field. Must not touch
+files, import grpc or NVML, or know what the agent does with records (agent.state.journal
+stores them, agent.state.reconcile matches them to pods).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 
-from agent import _fast
 from agent.constants import DEFAULT_DEVICE_ID_STRATEGY, DEVICE_ID_STRATEGIES
 from agent.errors import CheckpointError
 
@@ -117,8 +118,29 @@ class Checkpoint:
     keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY
 
 
+# A sort key: records in the order of their Allocates (the ID breaks ties).
+by_age = attrgetter("time", "id")
+
+# A Record (PodRef, GpuRef, Response...) from the tuple of all its fields, without the
+# Python-level __new__ that NamedTuple generates: for the paths that make them by the thousand.
+from_fields = tuple.__new__
+
+
+def response_of(r: Any) -> Response:
+    """The Response of an agent.rm.allocate.ContainerResponse (read by attribute)."""
+    return Response(
+        envs=dict(r.envs),
+        mounts=tuple(MountRec(m.container_path, m.host_path, bool(m.read_only))
+                     for m in r.mounts),
+        devices=tuple(DeviceSpecRec(s.container_path, s.host_path, s.permissions)
+                      for s in r.devices),
+        annotations=dict(r.annotations),
+        cdi_devices=tuple(r.cdi_devices),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# Encoding.
+# Encoding: the one encoder of a record (the journal's put entries, the old checkpoint's body).
 
 
 def record_data(r: Record) -> dict:
@@ -144,190 +166,164 @@ def record_data(r: Record) -> dict:
     }
 
 
-def _sha256(data: bytes):
-    """hashlib.sha256(data), hashlib imported here: it loads OpenSSL's libcrypto (3.8 MB
-    resident), and only a version-1 file needs it (read once, to migrate it to the journal,
-    whose frames use CRC-32)."""
+def _digest(version: int, body: bytes) -> bytes:
+    """SHA-256 of b"<version>:" + body. hashlib is imported here: it loads OpenSSL's libcrypto
+    (3.8 MB resident), and only a version-1 file needs it (read once, to migrate it to the
+    journal, whose frames use CRC-32)."""
     import hashlib
 
-    return hashlib.sha256(data)
+    return hashlib.sha256(b"%d:" % version + body).digest()
 
 
-def _digest(version: int, body: bytes) -> bytes:
-    return _sha256(b"%d:" % version + body).digest()
-
-
-def pack_record(r: Record) -> bytes:
-    """One record as msgpack (what `encode` puts in the body's list)."""
-    return msgpack.packb(record_data(r), use_bin_type=True)
-
-
-def encode(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record) -> bytes:
-    """The file's bytes for `cp` (current version). `packed` gives a record's msgpack bytes:
-    the journal passes a cache, records being immutable, so a write packs only new ones."""
-    return b"".join(encode_chunks(cp, packed))
-
-
-def encode_chunks(cp: Checkpoint, packed: Callable[[Record], bytes] = pack_record
-                  ) -> list[bytes]:
-    """`encode`'s bytes as pieces to write one after another, without ever joining them: a
-    large checkpoint then never needs one large buffer (glibc keeps freed large buffers in
-    per-thread arenas, and the agent's gRPC threads would each grow one)."""
-    p = msgpack.Packer(use_bin_type=True)
-    body = [
-        p.pack_map_header(4),
-        p.pack("written"), p.pack(float(cp.written)),
-        p.pack("boot"), p.pack(cp.boot),
-        p.pack("keyedBy"), p.pack(cp.keyed_by),
-        p.pack("records"), p.pack_array_header(len(cp.records)),
-        *[packed(r) for r in cp.records],
-    ]
-    digest = _sha256(b"%d:" % VERSION)
-    for chunk in body:
-        digest.update(chunk)
-    # the frame as msgpack.packb({"format", "version", "sha256", "body"}) writes it, with the
-    # body's bin header written by hand so that the body stays in pieces
-    head = [p.pack_map_header(4), p.pack("format"), p.pack(FORMAT), p.pack("version"),
-            p.pack(VERSION), p.pack("sha256"), p.pack(digest.digest()), p.pack("body"),
-            _bin_header(sum(len(c) for c in body))]
-    return head + body
-
-
-def _bin_header(n: int) -> bytes:
-    """msgpack's header of a bin of `n` bytes (the Packer has none for bin)."""
-    if n < 1 << 8:
-        return struct.pack(">BB", 0xC4, n)
-    if n < 1 << 16:
-        return struct.pack(">BH", 0xC5, n)
-    return struct.pack(">BI", 0xC6, n)
+def encode(cp: Checkpoint) -> bytes:
+    """The old single file's bytes for `cp` (version 1; the agent only reads it, to migrate it:
+    this writes the files the migration is tested on)."""
+    body = msgpack.packb({"written": float(cp.written), "boot": cp.boot,
+                          "keyedBy": cp.keyed_by,
+                          "records": [record_data(r) for r in cp.records]}, use_bin_type=True)
+    return msgpack.packb({"format": FORMAT, "version": VERSION,
+                          "sha256": _digest(VERSION, body), "body": body}, use_bin_type=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoding: every field checked, the first problem named by its path.
+# Decoding: the one decoder of a record, every field checked, the first problem named by its
+# path. The paths are made only for the error: a restart decodes every record of the journal.
 
 
 def _bad(where: str, problem: str) -> CheckpointError:
     return CheckpointError("corrupt", f"{where}: {problem}")
 
 
+def _expected(value: Any, what: str, where: str) -> CheckpointError:
+    got = repr(value) if isinstance(value, bool) else type(value).__name__
+    return _bad(where, f"expected {what}, got {got}")
+
+
 def _typed(value: Any, types: Any, what: str, where: str) -> Any:
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(where, f"expected {what}, got {value!r}")
+        raise _expected(value, what, where)
     if not isinstance(value, types):
-        raise _bad(where, f"expected {what}, got {type(value).__name__}")
+        raise _expected(value, what, where)
     return value
 
 
-def _map(value: Any, keys: tuple[str, ...], where: str) -> dict:
+def _map(value: Any, keys: tuple[str, ...], where: str, keyset: frozenset = frozenset()
+         ) -> dict:
+    """`value`, a map of exactly `keys` (`keyset`: the same as a set, made once)."""
+    if type(value) is dict and value.keys() == (keyset or set(keys)):
+        return value
     _typed(value, dict, "a map", where)
     missing = [k for k in keys if k not in value]
     if missing:
         raise _bad(where, f"missing {', '.join(missing)}")
-    extra = sorted(str(k) for k in value if k not in keys)
-    if extra:
-        raise _bad(where, f"unexpected {', '.join(extra)}")
+    raise _bad(where, f"unexpected {', '.join(sorted(str(k) for k in value if k not in keys))}")
+
+
+def _str(value: Any, where: str, field: str) -> str:
+    if type(value) is str:
+        return value
+    raise _expected(value, "a string", where + field)
+
+
+def _strs(value: Any, where: str, field: str) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise _expected(value, "a list", where + field)
+    for i, v in enumerate(value):
+        if type(v) is not str:
+            raise _expected(v, "a string", f"{where}{field}[{i}]")
+    return tuple(value)
+
+
+def _str_map(value: Any, where: str, field: str) -> dict[str, str]:
+    if type(value) is not dict:
+        raise _expected(value, "a map", where + field)
+    for k, v in value.items():
+        if type(k) is not str:
+            raise _expected(k, "a string key", where + field)
+        if type(v) is not str:
+            raise _expected(v, "a string", f"{where}{field}.{k}")
     return value
 
 
-def _strs(value: Any, where: str) -> tuple[str, ...]:
-    _typed(value, list, "a list", where)
-    return tuple(_typed(v, str, "a string", f"{where}[{i}]") for i, v in enumerate(value))
+def _time(value: Any, where: str, field: str) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise _expected(value, "a number", where + field)
 
 
-def _str_map(value: Any, where: str) -> dict[str, str]:
-    _typed(value, dict, "a map", where)
-    for k, v in value.items():
-        _typed(k, str, "a string key", where)
-        _typed(v, str, "a string", f"{where}.{k}")
-    return dict(value)
-
-
-def _time(value: Any, where: str) -> float:
-    return float(_typed(value, (float, int), "a number", where))
-
-
-def _triples(value: Any, types: tuple, where: str) -> list[tuple]:
-    _typed(value, list, "a list", where)
+def _triples(value: Any, kind: type, types: tuple, where: str, field: str) -> tuple:
+    """A list of [a, b, c] lists of `types`, as `kind` tuples."""
+    if type(value) is not list:
+        raise _expected(value, "a list", where + field)
     out = []
     for i, item in enumerate(value):
-        _typed(item, list, "a list of 3", f"{where}[{i}]")
-        if len(item) != 3:
-            raise _bad(f"{where}[{i}]", f"expected 3 items, got {len(item)}")
-        for j, (v, t) in enumerate(zip(item, types)):
-            _typed(v, t, t.__name__, f"{where}[{i}][{j}]")
-        out.append(tuple(item))
-    return out
+        if type(item) is not list or len(item) != 3 or type(item[0]) is not types[0] or \
+                type(item[1]) is not types[1] or type(item[2]) is not types[2]:
+            at = f"{where}{field}[{i}]"
+            _typed(item, list, "a list of 3", at)
+            if len(item) != 3:
+                raise _bad(at, f"expected 3 items, got {len(item)}")
+            for j, (v, t) in enumerate(zip(item, types)):
+                _typed(v, t, t.__name__, f"{at}[{j}]")
+        out.append(from_fields(kind, item))
+    return tuple(out)
 
 
 _RECORD_KEYS = ("id", "resource", "devices", "gpus", "response", "time", "boot", "pod",
                 "confirmed")
 _RESPONSE_KEYS = ("envs", "mounts", "devices", "annotations", "cdiDevices")
+_RECORD_SET, _RESPONSE_SET = frozenset(_RECORD_KEYS), frozenset(_RESPONSE_KEYS)
+_record_fields = itemgetter(*_RECORD_KEYS)
+_response_fields = itemgetter(*_RESPONSE_KEYS)
 
 
 def _response(value: Any, where: str) -> Response:
-    r = _map(value, _RESPONSE_KEYS, f"{where}.response")
-    return Response(
-        envs=_str_map(r["envs"], f"{where}.response.envs"),
-        mounts=tuple(MountRec(*m) for m in
-                     _triples(r["mounts"], (str, str, bool), f"{where}.response.mounts")),
-        devices=tuple(DeviceSpecRec(*s) for s in
-                      _triples(r["devices"], (str, str, str), f"{where}.response.devices")),
-        annotations=_str_map(r["annotations"], f"{where}.response.annotations"),
-        cdi_devices=_strs(r["cdiDevices"], f"{where}.response.cdiDevices"),
-    )
+    envs, mounts, devices, annotations, cdi = _response_fields(
+        _map(value, _RESPONSE_KEYS, f"{where}.response", _RESPONSE_SET))
+    return from_fields(Response, (
+        _str_map(envs, where, ".response.envs"),
+        _triples(mounts, MountRec, (str, str, bool), where, ".response.mounts"),
+        _triples(devices, DeviceSpecRec, (str, str, str), where, ".response.devices"),
+        _str_map(annotations, where, ".response.annotations"),
+        _strs(cdi, where, ".response.cdiDevices"),
+    ))
 
 
-# A sort key: records in the order of their Allocates (the ID breaks ties).
-by_age = attrgetter("time", "id")
-
-# A Record (PodRef, GpuRef) from the tuple of all its fields, without the Python-level __new__
-# that NamedTuple generates: for the paths that make one per Allocate or by the thousand.
-from_fields = tuple.__new__
-
-
-# The record types, in the order agent._fast's replay builds them from the journal (it may not
-# import this module).
-KINDS = (Record, GpuRef, PodRef, Response, MountRec, DeviceSpecRec)
+def _gpus(value: Any, where: str) -> tuple[GpuRef, ...]:
+    if type(value) is not list:
+        raise _expected(value, "a list", f"{where}.gpus")
+    out = []
+    for i, g in enumerate(value):
+        if type(g) is not list or len(g) != 2 or type(g[0]) is not str or type(g[1]) is not int:
+            at = f"{where}.gpus[{i}]"
+            _typed(g, list, "[uuid, index]", at)
+            if len(g) != 2:
+                raise _bad(at, f"expected [uuid, index], got {len(g)} items")
+            _typed(g[0], str, "a string", f"{at}[0]")
+            _typed(g[1], int, "an integer", f"{at}[1]")
+        out.append(from_fields(GpuRef, g))
+    return tuple(out)
 
 
 def record_from_data(value: Any, where: str) -> Record:
-    """`record_data`'s map back as a Record; CheckpointError naming `where` if it is bad. The
-    common case goes through the live replay hot path (agent._fast), which takes only
-    well-formed maps; anything else is checked here field by field."""
-    fast = _fast.entries_impl.record(value, KINDS)
-    return _checked_record(value, where) if fast is None else fast
-
-
-def _checked_record(value: Any, where: str) -> Record:
-    d = _map(value, _RECORD_KEYS, where)
-    gpus = []
-    _typed(d["gpus"], list, "a list", f"{where}.gpus")
-    for i, g in enumerate(d["gpus"]):
-        at = f"{where}.gpus[{i}]"
-        _typed(g, list, "[uuid, index]", at)
-        if len(g) != 2:
-            raise _bad(at, f"expected [uuid, index], got {len(g)} items")
-        gpus.append(GpuRef(_typed(g[0], str, "a string", f"{at}[0]"),
-                           _typed(g[1], int, "an integer", f"{at}[1]")))
-    response = None if d["response"] is None else _response(d["response"], where)
-    pod = None
-    if d["pod"] is not None:
-        parts = _strs(d["pod"], f"{where}.pod")
+    """`record_data`'s map back as a Record; CheckpointError naming `where` and the field if
+    it is bad."""
+    rid, resource, devices, gpus, response, t, boot, pod, confirmed = _record_fields(
+        _map(value, _RECORD_KEYS, where, _RECORD_SET))
+    gpus = _gpus(gpus, where)
+    if response is not None:
+        response = _response(response, where)
+    if pod is not None:
+        parts = _strs(pod, where, ".pod")
         if len(parts) != 3:
             raise _bad(f"{where}.pod", f"expected [namespace, name, container], got "
                                        f"{len(parts)} items")
-        pod = PodRef(*parts)
-    return Record(
-        id=_typed(d["id"], str, "a string", f"{where}.id"),
-        resource=_typed(d["resource"], str, "a string", f"{where}.resource"),
-        devices=_strs(d["devices"], f"{where}.devices"),
-        gpus=tuple(gpus),
-        response=response,
-        time=_time(d["time"], f"{where}.time"),
-        boot=_typed(d["boot"], str, "a string", f"{where}.boot"),
-        pod=pod,
-        confirmed=None if d["confirmed"] is None else _time(d["confirmed"], f"{where}.confirmed"),
-    )
+        pod = from_fields(PodRef, parts)
+    return from_fields(Record, (
+        _str(rid, where, ".id"), _str(resource, where, ".resource"),
+        _strs(devices, where, ".devices"), gpus, response, _time(t, where, ".time"),
+        _str(boot, where, ".boot"), pod,
+        None if confirmed is None else _time(confirmed, where, ".confirmed")))
 
 
 def _unpack(data: bytes, what: str) -> Any:
@@ -377,5 +373,5 @@ def decode(data: bytes) -> Checkpoint:
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise _bad("body.records", "a record ID appears twice")
-    return Checkpoint(records=records, written=_time(doc["written"], "body.written"),
+    return Checkpoint(records=records, written=_time(doc["written"], "body", ".written"),
                       boot=_typed(doc["boot"], str, "a string", "body.boot"), keyed_by=keyed_by)

@@ -13,9 +13,11 @@ Payloads are msgpack lists, the first item naming the entry:
     ["drop", id]                                 the record no longer stands
 
 A record map is the same map schema version 1 (the single-file checkpoint,
-agent.state.checkpoint) used. A frame cut short by a crash can only be the last one: `scan`
-reports it as a torn tail (the caller truncates it); a bad frame followed by more data is
-corruption. Must not touch files, import grpc or NVML, or decide which records stand.
+agent.state.checkpoint) used, written and read by agent.state.checkpoint's `record_data` and
+`record_from_data`; the payloads are msgpack's own (msgpack.packb, msgpack.unpackb) and the
+checksum zlib's CRC-32. A frame cut short by a crash can only be the last one: `scan` reports
+it as a torn tail (the caller truncates it); a bad frame followed by more data is corruption.
+Must not touch files, import grpc or NVML, or decide which records stand.
 """
 
 from __future__ import annotations
@@ -27,17 +29,10 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from agent import _fast
 from agent.constants import DEVICE_ID_STRATEGIES
 from agent.errors import CheckpointError
 from agent.gcpause import paused
-from agent.state.checkpoint import (
-    KINDS,
-    PodRef,
-    Record,
-    record_data,
-    record_from_data,
-)
+from agent.state.checkpoint import PodRef, Record, record_data, record_from_data
 
 MAGIC = b"gpu-agent journal\n"
 VERSION = 2  # 1 was the single-file checkpoint (agent.state.checkpoint)
@@ -79,25 +74,6 @@ def meta_frame(boot: str, keyed_by: str, written: float) -> bytes:
 
 def put_frame(r: Record) -> bytes:
     return _pack(["put", record_data(r)])
-
-
-# A "put" entry of a new Allocate record is assembled from pieces packed once per answer (the
-# same bytes put_frame writes, in record_data's key order), without packing the whole map again:
-# the ID and time per Allocate by agent._fast's entries module (new_put_frame), the rest here.
-
-
-def answer_piece(r: Record) -> bytes:
-    """The packed resource, devices, GPUs and response of `r`: what records of one answer
-    share."""
-    data = record_data(r)
-    return b"".join(msgpack.packb(k) + msgpack.packb(data[k], use_bin_type=True)
-                    for k in ("resource", "devices", "gpus", "response"))
-
-
-def tail_piece(boot: str) -> bytes:
-    """The packed boot, pod (none) and confirmed (none) of a new record."""
-    return b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in
-                    (("boot", boot), ("pod", None), ("confirmed", None)))
 
 
 def claim_frame(r: Record) -> bytes:
@@ -153,17 +129,14 @@ def _apply(records: dict[str, Record], items: Any, at: int) -> None:
         raise _corrupt(at, f"unknown entry {str(op)[:20]!r} of {len(items)} items")
 
 
-def scan(data: bytes | memoryview, entries_module: Any = None) -> Scan:
+def scan(data: bytes | memoryview) -> Scan:
     """Replay the journal in `data`. CheckpointError ("corrupt", "version") when it cannot
-    be used; a torn tail is not an error (Scan.torn says what was cut). The common entries go
-    through the replay hot path (agent._fast: the live one unless `entries_module` is given);
-    the first frame it does not take (a meta entry, a torn or damaged one) is replayed here,
-    with the checks and messages."""
+    be used; a torn tail is not an error (Scan.torn says what was cut)."""
     with paused():  # records made by the thousand (agent.gcpause)
-        return _scan(memoryview(data), entries_module or _fast.entries_impl)
+        return _scan(memoryview(data))
 
 
-def _scan(view: memoryview, fast: Any) -> Scan:
+def _scan(view: memoryview) -> Scan:
     n = len(view)
     if n < len(MAGIC):
         if bytes(view) == MAGIC[:n]:
@@ -177,16 +150,12 @@ def _scan(view: memoryview, fast: Any) -> Scan:
     pos = len(MAGIC)
     unpackb = msgpack.unpackb
     while pos < n:
-        if meta is not None:
-            pos, applied = fast.replay(view, pos, records, KINDS)
-            entries += applied
-            if pos >= n:
-                break
-        torn = _torn(view, pos, n)
-        if torn:
-            return Scan(records, meta, entries, pos, torn)
-        length, crc = _HEAD.unpack_from(view, pos)
+        length, crc = _HEAD.unpack_from(view, pos) if n - pos >= HEAD_SIZE else (0, 0)
         end = pos + HEAD_SIZE + length
+        if not 0 < length <= MAX_FRAME or end > n:  # cut short, zeros or damage: say which
+            torn = _torn(view, pos, n)
+            if torn:
+                return Scan(records, meta, entries, pos, torn)
         payload = view[pos + HEAD_SIZE:end]
         if zlib.crc32(payload) != crc:
             if end == n:  # the last frame: written in part when the agent or host stopped

@@ -76,6 +76,7 @@ class Reconciler:
         # rule 3: dropped once unlisted for ended_grace)
         self.ended_grace = ended_grace
         self._missing: Mapping[str, float] = {}
+        journal.on_allocate = self.after_allocate
 
     @property
     def socket_path(self) -> str:
@@ -142,17 +143,15 @@ class Reconciler:
                     self._cond.wait(timeout)
                 if self._stop:
                     return
-                # the next Allocate asks for the pass after this one (`after_allocate`). Armed
-                # before `_due` is cleared: an Allocate in between finds this pass due (its
-                # poke does nothing), and this pass, which marks after, sees its record.
-                self.journal.arm(self.after_allocate)
+                # an Allocate from here on asks for the pass after this one (`after_allocate`):
+                # one in between finds this pass due (its poke does nothing), and this pass,
+                # which marks after, sees its record
                 self._due = None
             try:
                 outcome = self.run_once()
             except Exception:  # the loop boundary: a bug; show it and keep reconciling
                 log.exception("reconciliation failed unexpectedly")
                 outcome = None
-            self.journal.arm(self.after_allocate)  # again: the pass changed last_duration
             if outcome is None or not outcome.listed:
                 delay = min(self.period, UNAVAILABLE_RETRY_S) if self.period else \
                     UNAVAILABLE_RETRY_S
@@ -262,8 +261,8 @@ class Reconciler:
         """An Allocate was recorded: reconcile soon (DEBOUNCE_S, shared by the Allocates
         meanwhile), but no sooner than PASS_SPACING times the last pass after it
         (a pass walks every record: with thousands unclaimed it takes a while). The journal
-        calls this for the first Allocate after each `arm` only (`_loop` arms it as a pass
-        begins and ends): later ones would compute the same time or a later one."""
+        calls it after each Allocate (`Journal.on_allocate`); while a pass is due, `poke`
+        returns at once."""
         self.poke(max(DEBOUNCE_S, PASS_SPACING * self.last_duration))
 
     def status(self) -> dict:
