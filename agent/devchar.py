@@ -62,6 +62,9 @@ CAPS_NODE_PREFIX = "nvidia-"
 SKIPPED_PREFIXES = ("nvidia-fs", "nvidia-nvswitch", "nvidia-nvlink")
 # How often the thread looks again for a directory it cannot watch (seconds).
 RETRY_S = 5.0
+# What the watch of /dev and nvidia-caps wakes for: new names only. Not writes: every write to
+# /dev/null by any process on the node is one, and it made an idle agent busy.
+NEW_ENTRIES = frozenset((CREATED, MOVED_IN))
 # The config options a running DevCharLinks is built from (a reload that changes one of them
 # rebuilds it).
 SETTINGS = ("dev_char_symlinks", "dev_root")
@@ -395,7 +398,7 @@ class DevCharLinks:
                                                or not os.path.isdir(directory)):
                 continue
             try:
-                watches[directory] = DirWatch(directory)
+                watches[directory] = DirWatch(directory, NEW_ENTRIES)
             except OSError as exc:
                 problems[directory] = (f"cannot watch {directory} for new NVIDIA device nodes "
                                        f"({exc}); looking again every {RETRY_S:g} s")
