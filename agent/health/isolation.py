@@ -5,7 +5,8 @@ agent.constants.DEFAULT_ISOLATION_FILE), which
 devices an isolation set names (a GPU index or UUID names every device that GPU backs; a MIG
 index "G:M" or MIG UUID names that instance), and a thread that re-reads the file whenever it
 is written, renamed into place or removed in its directory, and hands the new set (or the
-problem with it) to a callback. A missing file isolates nothing; a malformed one is reported
+problem with it) to a callback. It sleeps between changes, also while the directory is missing
+(its appearance is watched: agent.dirwatch.MissingDir). A missing file isolates nothing; a malformed one is reported
 and the previous set stays. Must not touch devices or NVML: the monitor applies the set.
 """
 
@@ -20,12 +21,13 @@ import threading
 from collections.abc import Iterable
 from typing import Callable, NamedTuple
 
-from agent.dirwatch import CREATED, DIR_GONE, DirWatch
+from agent.dirwatch import CREATED, DIR_GONE, DirWatch, MissingDir
 from agent.errors import IsolationError
 
 log = logging.getLogger(__name__)
 
-# With the file's directory missing, look for it again this often.
+# After an unexpected error, or when not even the directory's appearance can be watched, look
+# again this often.
 RETRY_S = 2.0
 _INDEX = r"^\d+(:\d+)?$"
 _UUID = r"^(GPU|MIG)-[0-9A-Za-z/-]+$"
@@ -120,6 +122,7 @@ class IsolationWatch:
         self.on_change = on_change
         self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._watch_: DirWatch | None = None
+        self._missing: MissingDir | None = None  # the directory's appearance, while it is not there
         self._thread: threading.Thread | None = None
         self._missing_logged = False
 
@@ -138,13 +141,10 @@ class IsolationWatch:
         self.on_change(isolation, None)
 
     def _watch(self) -> bool:
+        """Watch the file's directory; True once it is watched."""
         if self._watch_ is not None:
             return True
-        if not os.path.isdir(self.directory):
-            if not self._missing_logged:
-                log.info("isolation file directory %s does not exist; looking for it every "
-                         "%g s", self.directory, RETRY_S)
-                self._missing_logged = True
+        if not self._directory_there():
             return False
         try:
             self._watch_ = DirWatch(self.directory)
@@ -155,10 +155,37 @@ class IsolationWatch:
         self._missing_logged = False
         return True
 
+    def _directory_there(self) -> bool:
+        """Whether the file's directory exists; while it does not, its appearance is waited
+        for with inotify (MissingDir), or looked for every RETRY_S if even that fails."""
+        if not os.path.isdir(self.directory) and self._missing is None:
+            try:
+                self._missing = MissingDir(self.directory)
+            except OSError as exc:
+                if not self._missing_logged:
+                    log.info("isolation file directory %s does not exist; looking for it every "
+                             "%g s (%s)", self.directory, RETRY_S, exc)
+                    self._missing_logged = True
+                return False
+        if self._missing is not None and not self._missing.appeared():
+            if not self._missing_logged:
+                log.info("isolation file directory %s does not exist; watching for it",
+                         self.directory)
+                self._missing_logged = True
+            return False
+        self._stop_waiting()
+        return True
+
+    def _stop_waiting(self) -> None:
+        if self._missing is not None:
+            self._missing.close()
+        self._missing = None
+
     def _unwatch(self) -> None:
         if self._watch_ is not None:
             self._watch_.close()
         self._watch_ = None
+        self._stop_waiting()
 
     def _run(self) -> None:
         while True:
@@ -171,9 +198,12 @@ class IsolationWatch:
                     return
 
     def _step(self) -> bool:
-        """Wait for a change and act on it; True when asked to stop."""
-        fds = [self._stop_r] + ([self._watch_.fileno()] if self._watch_ is not None else [])
-        ready, _, _ = select.select(fds, [], [], RETRY_S)
+        """Wait for a change and act on it; True when asked to stop. It sleeps until inotify
+        (the directory, or its appearance) or stop() wakes it: no timer but RETRY_S when
+        neither can be watched."""
+        waiting_on = self._watch_ or self._missing
+        fds = [self._stop_r] + ([waiting_on.fileno()] if waiting_on is not None else [])
+        ready, _, _ = select.select(fds, [], [], None if waiting_on is not None else RETRY_S)
         if self._stop_r in ready:
             return True
         if self._watch_ is None:
@@ -186,6 +216,7 @@ class IsolationWatch:
         gone = any(e.kind == DIR_GONE for e in events)
         if gone:
             self._unwatch()
+            self._watch()  # the directory again, or its appearance
         # a file being created is read once it is closed (WRITTEN), not half-written
         if gone or any(e.name == self.name and e.kind != CREATED for e in events):
             self.reload()
