@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 # One wait never blocks longer than this: stop() returns within it. An idle agent wakes once
 # per wait, so this is also what the loop costs at rest (docs/benchmarks.md).
 WAIT_MS = 1000
-# Recovery checks (probes) run this often, on their own thread.
+# Recovery checks (probes) run this often, on their own thread, while a reset-class fault waits
+# to end (or health.json waits to be written); without one the thread sleeps until one comes.
 TICK_S = 0.25
 # stop() waits this long for a recovery probe in flight; one that hangs in NVML is left behind
 # (it changes nothing once the monitor is stopping).
@@ -161,6 +162,7 @@ class HealthMonitor:
         self.loop_errors = 0  # unexpected exceptions caught at the loop boundary
         self._error_streak = 0  # wait errors since the last good wait
         self._stop = threading.Event()
+        self._recovery_due = threading.Event()  # a fault to check came, or stop()
         self._thread: threading.Thread | None = None
         self._recovery: threading.Thread | None = None
         self._watch: IsolationWatch | None = None
@@ -199,6 +201,7 @@ class HealthMonitor:
         health.json write). With wait=False the rest happens in the background: a reload hands
         over to a new monitor at once instead of waiting out the NVML event wait."""
         self._stop.set()
+        self._recovery_due.set()
         if not wait:
             threading.Thread(target=self.stop, name="health-stop", daemon=True).start()
             return
@@ -475,13 +478,23 @@ class HealthMonitor:
     # -- recovery ------------------------------------------------------------------------------
 
     def _run_recovery(self) -> None:
-        # every TICK_S while a fault waits to end; once per wait (as the event loop) otherwise
-        while not self._stop.wait(TICK_S if self._faults else WAIT_MS / 1000):
+        # every TICK_S while a reset-class fault waits to end; asleep until one comes otherwise
+        while not self._stop.is_set():
+            self._recovery_due.wait(TICK_S if self._recovery_pending() else None)
+            self._recovery_due.clear()  # what set it is read afresh below
+            if self._stop.is_set():
+                return
             self._guarded(self._recover, "health recovery")
             if self._file.error:  # health.json could not be written: try again until it is
                 with self._lock:
                     if not self._stop.is_set():
                         self._file.save(list(self._faults.values()))
+
+    def _recovery_pending(self) -> bool:
+        """Is there something for the recovery thread to check: a reset-class fault (others
+        end only with a reboot), or health.json still to be written? Read without the lock: a
+        fault added meanwhile sets `_recovery_due`."""
+        return bool(self._file.error) or any(f.action == RESET for f in list(self._faults.values()))
 
     def _recover(self) -> None:
         """One recovery check: which GPUs are due a probe is read under the lock, the probes
@@ -599,6 +612,7 @@ class HealthMonitor:
     def _add_fault(self, device: Any, kind: str, action: str, reason: str, xid: int | None,
                    now: float) -> None:
         self._fault_gen[device.gpu_uuid] = self._fault_gen.get(device.gpu_uuid, 0) + 1
+        self._recovery_due.set()
         fault = self._faults.get(device.id)
         if fault is None:
             self._faults[device.id] = Fault(device.id, device.gpu_uuid, device.gpu_index, kind,
@@ -695,6 +709,8 @@ class HealthMonitor:
                                 ", ".join(ids), ", ".join(held) or "no pod")
                     self._record(uuid, index, ids, False, reason, xid, action or "isolate")
         self._file.save([f for f in self._faults.values()])
+        if self._file.error:
+            self._recovery_due.set()  # its thread writes it again until it works
         if changes:
             self.on_change()
 
