@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 RETRY_FIRST_S = 0.01  # kubelet.sock exists but refused us: it may be binding right now
 RETRY_MAX_S = 5.0
-# kubelet.sock absent, or the directory cannot be watched: inotify normally says when to act;
-# this is the safety net.
+# The directory cannot be watched: it is looked at this often instead (with the watch, inotify
+# says when to act, and the thread sleeps until it or a retry is due).
 IDLE_RECHECK_S = 5.0
 WATCH_RETRY_S = 1.0
 
@@ -200,16 +200,17 @@ class Registrar:
                 elif self._watch is not None:
                     self._on_dir_events()
 
-    def _next_due(self) -> float:
+    def _next_due(self) -> float | None:
+        """Seconds until something is due, None for nothing (asleep until woken)."""
         now = time.monotonic()
-        due = [now + IDLE_RECHECK_S]
+        due = [now + IDLE_RECHECK_S] if self._watch is None else []
         if self._watch_retry_at is not None:
             due.append(self._watch_retry_at)
         kubelet_there = os.path.exists(self.kubelet_socket)
         for p in self._plugins.values():
             if p.server is None or (kubelet_there and p.registered_with is None):
                 due.append(max(p.retry_at, now))
-        return max(0.0, min(due) - now)
+        return max(0.0, min(due) - now) if due else None
 
     def _on_dir_events(self) -> None:
         for event in self._watch.read():
