@@ -2,7 +2,9 @@
 
 Owns: `MigWatch`, the periodic read of the MIG layout under migStrategy single or mixed (NVML
 has no event for instances created or destroyed, nor for a mode change applied): due every
-`agent.migCheckInterval`, it says whether the layout differs from the one last advertised;
+`agent.migCheckInterval` while a GPU is MIG-capable (a node without one has no layout to
+change: its agent reads nothing and sleeps), it says whether the layout differs from the one
+last advertised;
 and `gone_in_use`, the MIG devices a reconfiguration took away while the allocation journal
 says a container holds them. Must not advertise anything itself (the daemon re-advertises
 through the same path as a SIGHUP) nor import grpc.
@@ -28,8 +30,10 @@ class MigWatch:
 
     def reset(self, cfg: Any, gpus: Sequence[Any], now: float) -> None:
         """After an advertisement: remember its layout, watch from now on (under
-        single/mixed with a non-zero interval)."""
-        on = cfg.mig_strategy != "none" and cfg.mig_check_interval > 0
+        single/mixed with a non-zero interval, when a GPU is MIG-capable: `mig_pending` is
+        None on one that is not)."""
+        on = cfg.mig_strategy != "none" and cfg.mig_check_interval > 0 and \
+            any(g.mig_pending is not None for g in gpus)
         self.interval = cfg.mig_check_interval if on else 0.0
         self.due = now + self.interval if on else None
         if on:
