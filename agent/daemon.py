@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agent import __version__, gcpause, status
+from agent import __version__, gcpause, status, threadnames
 from agent.config import Config, check_supported, has_named_configs, load_config
 from agent.errors import AgentError, ConfigError, InitError, MigLayoutError
 from agent.health.monitor import HealthMonitor, monitor_from_config
@@ -78,6 +78,7 @@ class Daemon:
     # -- start ---------------------------------------------------------------------------------
 
     def run(self) -> int:
+        threadnames.install()  # top -H and /proc/PID/task/*/comm name each thread
         self._waiter = Waiter()
         try:
             self.cfg = self._load_config()
