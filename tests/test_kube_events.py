@@ -246,6 +246,26 @@ def test_each_object_gets_25_new_events_then_the_rest_are_limited(tmp_path):
         r.stop()
 
 
+def test_a_kubeconfig_that_comes_later_is_taken_up_as_it_is_written(tmp_path):
+    """In a directory made after the start too: the reporter waits for both with inotify
+    (tests/test_idle.py: its thread sleeps meanwhile)."""
+    api = KubeApi(NODE)
+    path = tmp_path / "etc" / "kubernetes" / "kubelet.conf"
+    r = faults.FaultReporter(kubeconfig=str(path), node=NODE, events=True, condition=True,
+                             gpus_out=dict, holders=lambda ids: [], on_change=api.poke)
+    r.start()
+    try:
+        api.wait(lambda: r.status()["api"] == f"no kubeconfig at {path}", "the wait")
+        path.parent.mkdir(parents=True)
+        api.kubeconfig(str(path))
+        api.wait(lambda: (api.condition("GPUHealthy") or {}).get("status") == "True",
+                 "the condition, once the kubeconfig is there")
+        r.notify(_flip(2, healthy=False))
+        _settled(api, r, posted=1, counted=0)
+    finally:
+        r.stop()
+
+
 def test_a_refused_event_is_counted_not_retried_and_the_condition_still_set(tmp_path):
     api = KubeApi(NODE)
     api.refuse.add("/api/v1/namespaces/default/events")

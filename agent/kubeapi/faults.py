@@ -10,7 +10,9 @@ every change, and again as soon as the API answers after a failure), and the cou
 metrics show. Everything runs on its own thread: `notify()` and `refresh()`, called from the
 health monitor and the daemon, only queue and wake it, so the API being slow or down never
 delays health handling or Allocate. Events wait in a bounded queue while the API is down; the
-ones that do not fit are dropped and counted.
+ones that do not fit are dropped and counted. The thread sleeps on a wake pipe and, while the
+kubeconfig is not there, an inotify watch of its directory (agent.dirwatch): between changes
+nothing runs on a timer but the retries after the API failed.
 
 Must not: decide health (agent.health does), call NVML, or block its callers.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agent.constants import CONDITION_TYPE, EVENT_COMPONENT
+from agent.dirwatch import CREATED, MOVED_IN, WRITTEN, DirWatch, MissingDir
 from agent.errors import AgentError, KubeApiError
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,11 @@ log = logging.getLogger(__name__)
 QUEUE_MAX = 256  # events waiting for the API; more are dropped (counted)
 RETRY_S = 1.0  # after a failed request, the next try
 REFUSED_RETRY_S = 60.0  # the longest wait after refusals (RBAC): 1, 2, 4 ... 60 s
-KUBECONFIG_RETRY_S = 10.0  # a kubeconfig not there yet (a node still joining) is looked for again
+# A kubeconfig that does not load is read again this often; one not there yet (a node still
+# joining) is waited for with inotify, and looked for this often only if that cannot be done.
+KUBECONFIG_RETRY_S = 10.0
+# What in the kubeconfig's directory may be the kubeconfig arriving.
+KUBECONFIG_ARRIVES = frozenset((CREATED, MOVED_IN, WRITTEN))
 # kubelet's event recorder (client-go tools/record/events_cache.go): the same event within
 # this window is counted on the one posted, and each object gets a burst of 25 new events,
 # then one per 5 minutes (EventSourceObjectSpamFilter: burst 25, qps 1/300).
@@ -111,7 +119,9 @@ class FaultReporter:
         self.on_change = on_change
         self._connect = connect
         self._client: Any = None
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._awaiting: Any = None  # while the kubeconfig is not there: DirWatch or MissingDir
         self._transitions: collections.deque = collections.deque()
         self._dirty = condition  # the condition is asserted once at start
         self._stop = threading.Event()
@@ -139,28 +149,43 @@ class FaultReporter:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (after at most one request in flight: `timeout` bounds the wait)."""
         self._stop.set()
-        with self._cv:
-            self._cv.notify()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._client is not None:
             self._client.close()
+        if self._thread is not None and self._thread.is_alive():
+            return  # a request still in flight: the thread keeps its pipe and watch
+        self._stop_awaiting()
+        with self._lock:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def notify(self, transition: dict) -> None:
         """A GPU's health flipped (agent.health.monitor's transition record). Never blocks."""
-        with self._cv:
+        with self._lock:
             self._transitions.append(transition)
             self._dirty = self.condition_on
-            self._cv.notify()
+        self._wake()
 
     def refresh(self) -> None:
         """The GPUs out may have changed (a reload, a new monitor): assert the condition."""
-        with self._cv:
+        with self._lock:
             self._dirty = self.condition_on
-            self._cv.notify()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_w < 0:
+                return  # stopped
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:
+                pass  # the pipe is full: the thread wakes anyway
 
     def status(self) -> dict:
-        with self._cv:
+        with self._lock:
             asserted = self._asserted
             return {
                 "node": self.node, "kubeconfig": self.kubeconfig,
@@ -180,15 +205,16 @@ class FaultReporter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._cv:
-                while not self._stop.is_set() and not self._transitions and \
-                        not self._due():
-                    wait = None
-                    if (self._pending or self._dirty) and self._retry_at:
-                        wait = max(0.01, self._retry_at - time.monotonic())
-                    self._cv.wait(wait)
-                if self._stop.is_set():
-                    return
+            with self._lock:
+                idle = not self._transitions and not self._due()
+                wait = None
+                if idle and (self._pending or self._dirty) and self._retry_at and \
+                        self._awaiting is None:
+                    wait = max(0.01, self._retry_at - time.monotonic())
+            if idle:
+                self._sleep(wait)
+                continue
+            with self._lock:
                 taken = list(self._transitions)
                 self._transitions.clear()
             try:
@@ -203,7 +229,48 @@ class FaultReporter:
             self.on_change()
 
     def _due(self) -> bool:
-        return bool(self._pending or self._dirty) and time.monotonic() >= self._retry_at
+        return bool(self._pending or self._dirty) and self._awaiting is None and \
+            time.monotonic() >= self._retry_at
+
+    def _sleep(self, timeout: float | None) -> None:
+        """Until notify(), refresh(), stop(), the kubeconfig's arrival or `timeout` s."""
+        fds = [self._wake_r] + ([self._awaiting.fileno()] if self._awaiting is not None else [])
+        ready, _, _ = select.select(fds, [], [], timeout)
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass  # another read took it
+        if self._awaiting is not None and self._awaiting.fileno() in ready:
+            self._await_kubeconfig()
+
+    def _await_kubeconfig(self) -> None:
+        """The kubeconfig is not there: watch its directory (or, while that is missing, the
+        directory's appearance) for it; once it is there, stop watching and try at once."""
+        directory = os.path.dirname(os.path.abspath(self.kubeconfig))
+        try:
+            if isinstance(self._awaiting, MissingDir) and self._awaiting.appeared():
+                self._stop_awaiting()
+            if self._awaiting is None:
+                self._awaiting = DirWatch(directory, KUBECONFIG_ARRIVES) \
+                    if os.path.isdir(directory) else MissingDir(directory)
+            elif isinstance(self._awaiting, DirWatch):
+                self._awaiting.read()  # which name came does not matter: the path is looked at
+        except OSError as exc:
+            log.debug("cannot watch for %s (%s): looked for every %g s", self.kubeconfig, exc,
+                      KUBECONFIG_RETRY_S)
+            self._stop_awaiting()
+            self._retry_at = time.monotonic() + KUBECONFIG_RETRY_S
+            return
+        if os.path.exists(self.kubeconfig) or (isinstance(self._awaiting, MissingDir)
+                                               and self._awaiting.appeared()):
+            self._stop_awaiting()  # there now (or its directory: watched next)
+            self._retry_at = 0.0
+
+    def _stop_awaiting(self) -> None:
+        if self._awaiting is not None:
+            self._awaiting.close()
+            self._awaiting = None
 
     def _queue(self, events: list[Event]) -> None:
         for event in events:
@@ -288,10 +355,9 @@ class FaultReporter:
         if not os.path.exists(self.kubeconfig):
             if self.api_error != f"no kubeconfig at {self.kubeconfig}":
                 log.info("no kubeconfig at %s yet: Kubernetes events and the %s condition wait "
-                         "for it (looked for every %g s)", self.kubeconfig, CONDITION_TYPE,
-                         KUBECONFIG_RETRY_S)
+                         "for it (its directory watched)", self.kubeconfig, CONDITION_TYPE)
             self.api_error = f"no kubeconfig at {self.kubeconfig}"
-            self._retry_at = time.monotonic() + KUBECONFIG_RETRY_S
+            self._await_kubeconfig()
             return False
         try:
             if self._connect is None:
@@ -409,7 +475,7 @@ class FaultReporter:
         return ("False", GPUS_OUT, message)
 
     def _assert_condition(self) -> None:
-        with self._cv:
+        with self._lock:
             self._dirty = False
         desired = self._desired()
         if desired == self._asserted:
@@ -432,7 +498,7 @@ class FaultReporter:
                     "lastTransitionTime": self._transition_time}]}},
                 content_type="application/strategic-merge-patch+json")
         except KubeApiError:
-            with self._cv:
+            with self._lock:
                 self._dirty = True
             self.condition_failures += 1
             raise
