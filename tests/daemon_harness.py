@@ -361,6 +361,26 @@ def changed_files(root: str, files: Mapping[str, bytes]) -> list[str]:
     return changed
 
 
+def thread_switches(pid: int) -> dict[int, tuple[str, int]]:
+    """TID -> (name, voluntary context switches so far) of each thread of process `pid`, as
+    /proc/PID/task shows them (agent.threadnames names the agent's); the main thread is named
+    "main". A thread asleep on a descriptor or a lock does not switch: the count is its
+    wake-ups (and its waits for a lock, the GIL among them)."""
+    out = {}
+    for task in sorted(os.listdir(f"/proc/{pid}/task")):
+        tid = int(task)
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                status = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        switches = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        out[tid] = ("main" if tid == pid else name, switches)
+    return out
+
+
 def first_snapshot(node: Node, resource: str = GPU) -> object:
     """The first ListAndWatch snapshot the current registration of `resource` sent."""
     registration = node.client.state().resource(resource).registrations
