@@ -35,6 +35,10 @@ from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
+# The loop wakes for signals, other threads' wakes and what is due (the watchdog, an NVML retry,
+# the MIG check), and at least this often: agent.state tells nobody of its changes (an Allocate
+# recorded, a reconciliation), so the status looks at its version on this tick. With a change
+# callback there, the tick can go and an idle main thread sleep (tests/test_idle.py EXEMPT).
 LOOP_TICK_S = 1.0
 FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
 # The settings of the Kubernetes events and condition: a reload that changes one restarts them.
