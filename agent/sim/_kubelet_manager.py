@@ -3,15 +3,19 @@
 Owns: what the simulated kubelet knows (per resource: endpoint, options, devices and health,
 snapshots, the history of its capacity/allocatable; admitted pods and their devices) and the
 rules kubelet's device manager applies (pkg/kubelet/cm/devicemanager, 1.25+): synchronous
-dial-back on Register, one stream per resource that is never restarted, devices unhealthy when it
-ends, the allocation order of devicesToAllocate, one ContainerAllocateRequest per Allocate. Every
-change is an event. Must not listen on sockets or touch the filesystem: `_kubelet_server` does.
+dial-back on Register with kubelet's blocking dial and gRPC's reconnect backoff (each dial whose
+first attempt failed is kept: failed_dials), one stream per resource that is never restarted,
+devices unhealthy when it ends, the allocation order of devicesToAllocate, one
+ContainerAllocateRequest per Allocate. Every change is an event. Must not listen on sockets or
+change the filesystem (it only dials plugins, and looks whether a socket it failed to dial is
+there): `_kubelet_server` does.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import re
 import threading
 import time
@@ -50,6 +54,19 @@ EVENTS_KEPT = 10000
 ALLOCATABLE_CHANGES_KEPT = 100_000  # over all resources
 # kubelet files devices without NUMA affinity under this pseudo node.
 NODE_WITHOUT_TOPOLOGY = -1
+FAILED_DIALS_KEPT = 1000
+# How kubelet dials a plugin that registers: dial() in pkg/kubelet/cm/devicemanager/plugin/
+# v1beta1/client.go is grpc.DialContext with grpc.WithBlock() and a 10 s timeout, so Register
+# answers only once the connection is up; an attempt that fails (the socket missing, or nobody
+# listening on it) is tried again after grpc-go's reconnect backoff (backoff.DefaultConfig:
+# 1 s, then x1.6 each time with 20 % jitter, at most 120 s), about 1 s, then 1.6 s. gRPC C-core
+# backs off with the same numbers (src/core/client_channel/subchannel.cc); they are named here
+# so that another grpcio keeps the simulation as it is. A local subchannel pool gives each dial
+# its own connection and backoff, as each grpc-go ClientConn has: from the global pool, a dial
+# would share (and wait out) the backoff of an earlier failed dial to the same path.
+DIAL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.initial_reconnect_backoff_ms", 1000),
+                ("grpc.max_reconnect_backoff_ms", 120_000)]
 
 _DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS1123_SUBDOMAIN = re.compile(rf"^{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*$")
@@ -135,6 +152,23 @@ class EventLog:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class FailedDial:
+    """A dial to a registering plugin whose first attempt failed: its Register then waited on
+    gRPC's reconnect backoff (about 1 s) for the next one."""
+
+    instance: int  # the kubelet instance the Register came to (0, then n after the n-th restart)
+    resource: str
+    path: str
+    socket_there: bool  # the plugin's socket file existed when gRPC reported the failure
+    monotonic_ns: int
+
+    @property
+    def why(self) -> str:
+        return ("nobody accepted a connection on the socket" if self.socket_there
+                else "the socket was missing")
 
 
 @dataclass
@@ -232,6 +266,8 @@ class DeviceManager:
         self._changes: collections.deque[ctl.AllocatableChange] = collections.deque(
             maxlen=ALLOCATABLE_CHANGES_KEPT)
         self._change_seq = 0
+        self._failed_dials: collections.deque[FailedDial] = collections.deque(
+            maxlen=FAILED_DIALS_KEPT)
 
     # -- registration and streams --------------------------------------------------------------
 
@@ -240,7 +276,7 @@ class DeviceManager:
         plugin is dialled, its options read and its ListAndWatch stream opened."""
         resource, endpoint = req.resource_name, req.endpoint
         with self._lock:
-            generation = self._generation
+            generation, instance = self._generation, self.restarts
         log.info("registration request: resource %s, endpoint %s, version %s",
                  resource, endpoint, req.version)
         if req.version not in SUPPORTED_VERSIONS:
@@ -251,11 +287,8 @@ class DeviceManager:
             self._reject(req, f"the ResourceName {resource!r} is invalid: {problem}")
 
         path = f"{self.dir.rstrip('/')}/{endpoint}"
-        channel = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
-        try:
-            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
-        except grpc.FutureTimeoutError:
-            channel.close()
+        channel, failed = self._dial(resource, path, instance)
+        if channel is None:
             self._reject(req, f"failed to dial device plugin: context deadline exceeded: nothing "
                               f"accepted a connection on {path} within {self.dial_timeout:g} s "
                               "(a plugin must serve before it registers)")
@@ -287,17 +320,56 @@ class DeviceManager:
             ep.thread = threading.Thread(target=self._watch, args=(ep,), daemon=True,
                                          name=f"listandwatch-{resource}-{ep.registration}")
             self._record_change(res, Kind.REGISTERED, ep.registration, res.registered)
+            waited = f"; the dial waited on gRPC's reconnect backoff ({failed.why})" \
+                if failed else ""
             self.events.emit(Kind.REGISTERED, resource_name=resource, endpoint=endpoint,
                              message=f"registration {ep.registration}; options: "
                                      f"pre_start_required={options.pre_start_required} "
                                      f"get_preferred_allocation_available="
-                                     f"{options.get_preferred_allocation_available}")
+                                     f"{options.get_preferred_allocation_available}{waited}")
             ep.thread.start()
         log.info("registered resource %s at %s (registration %d)", resource, path, ep.registration)
         if old is not None:
             log.info("resource %s registered again: registration %d answers Allocate; the "
                      "stream of registration %d runs on", resource, ep.registration,
                      old.registration)
+
+    def _dial(self, resource: str, path: str, instance: int
+              ) -> tuple[grpc.Channel | None, FailedDial | None]:
+        """kubelet's blocking dial of a registering plugin (DIAL_OPTIONS): the channel once
+        connected, or None after dial_timeout; and the failed first attempt, if there was one
+        (logged and kept in failed_dials() as it happens)."""
+        channel = grpc.insecure_channel(f"unix:{path}", options=DIAL_OPTIONS)
+        ready = threading.Event()
+        failed: list[FailedDial] = []
+
+        def on_state(state: grpc.ChannelConnectivity) -> None:  # gRPC's thread, one at a time
+            if state is grpc.ChannelConnectivity.READY:
+                ready.set()
+            elif state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and not failed:
+                # later attempts fail silently: gRPC stays in TRANSIENT_FAILURE until READY
+                dial = FailedDial(instance, resource, path, os.path.exists(path),
+                                  time.monotonic_ns())
+                failed.append(dial)
+                with self._lock:
+                    self._failed_dials.append(dial)
+                log.info("dialling %s for resource %s failed: %s; gRPC tries again after its "
+                         "reconnect backoff (about 1 s)", path, resource, dial.why)
+
+        channel.subscribe(on_state, try_to_connect=True)
+        try:
+            up = ready.wait(self.dial_timeout)
+        finally:
+            channel.unsubscribe(on_state)
+        if not up:
+            channel.close()
+        return (channel if up else None), (failed[0] if failed else None)
+
+    def failed_dials(self, instance: int | None = None) -> list[FailedDial]:
+        """Dials to registering plugins whose first attempt failed, oldest first (the newest
+        1,000 are kept); of one kubelet instance if given."""
+        with self._lock:
+            return [d for d in self._failed_dials if instance is None or d.instance == instance]
 
     def _reject(self, req: dp.RegisterRequest, reason: str) -> None:
         with self._lock:

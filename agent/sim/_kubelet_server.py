@@ -23,7 +23,7 @@ from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
 from agent._proto.simkubelet.v1 import control_pb2_grpc as ctl_grpc
 from agent.errors import SimError
-from agent.sim._kubelet_manager import DeviceManager, watch_events
+from agent.sim._kubelet_manager import DeviceManager, FailedDial, watch_events
 from agent.sim.kubelet import (
     DEFAULT_DIAL_TIMEOUT,
     DEFAULT_KUBELET_VERSION,
@@ -145,7 +145,9 @@ class SimKubelet:
     `SimKubelet(dir, podresources_socket=None, dial_timeout=10.0, kubelet_version="1.36",
     relist_after_restart=0.5)`; `start()`, `stop()`,
     `restart()` (returns (restart count, removed socket paths)), `state()` (the control API's
-    State message); usable as a context manager. Talk to it with SimKubeletClient(dir).
+    State message), `failed_dials(instance)` (the dials to registering plugins whose first
+    attempt failed; in this process only); usable as a context manager. Talk to it with
+    SimKubeletClient(dir).
     """
 
     def __init__(self, directory: str | os.PathLike, podresources_socket: str | None = None,
@@ -247,6 +249,12 @@ class SimKubelet:
             if os.path.exists(self.control_socket):
                 os.unlink(self.control_socket)
         log.info("simulated kubelet stopped")
+
+    def failed_dials(self, instance: int | None = None) -> list[FailedDial]:
+        """The dials to registering plugins whose first attempt failed (each made its Register
+        wait on gRPC's reconnect backoff), of kubelet instance `instance` (restart count) or
+        all, oldest first."""
+        return self.manager.failed_dials(instance)
 
     def state(self) -> ctl.State:
         state = self.manager.state()

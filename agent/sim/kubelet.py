@@ -18,9 +18,14 @@ socket layout, the public names below and the errors. Must not import grpc at im
 - `_kubelet_client`: `SimKubeletClient` and the state it returns
 
 Public names: SimKubelet, SimKubeletClient, KubeletState (and its parts), AllocatableChange,
-ZeroWindow, zero_windows, registrations_per_instance, the errors, the paths.
+ZeroWindow, zero_windows, registrations_per_instance, FailedDial, the errors, the paths.
 
 Choices, where kubelet versions or the brief differ:
+- Register dials the plugin back as kubelet does (plugin/v1beta1/client.go dial(): blocking,
+  `dial_timeout` 10 s, an attempt that failed tried again after gRPC's reconnect backoff of
+  about 1 s, then 1.6 s), so a plugin that registers while its socket is missing makes its
+  Register wait about a second; each such dial is kept (SimKubelet.failed_dials) and noted in
+  the REGISTERED event's message.
 - GetPreferredAllocation is called whenever the plugin offers it, also when there are exactly
   as many candidates as needed: with no topology hint that is what devicesToAllocate does.
 - Register errors come back as gRPC status UNKNOWN (kubelet returns plain Go errors); the
@@ -65,7 +70,8 @@ DEFAULT_RELIST_AFTER_RESTART_S = 0.5
 CONTROL_SUBDIR = "sim-control"
 CONTROL_SOCKET = "kubelet-control.sock"
 PODRESOURCES_SUBDIR = "pod-resources"
-# kubelet dials a registering plugin with this timeout (grpc.WithBlock) before it answers.
+# kubelet dials a registering plugin with this timeout (grpc.WithBlock) before it answers
+# (pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go, dial()).
 DEFAULT_DIAL_TIMEOUT = 10.0
 
 
@@ -131,6 +137,7 @@ _LAZY = {
     "ZeroWindow": "agent.sim._kubelet_client",
     "zero_windows": "agent.sim._kubelet_client",
     "registrations_per_instance": "agent.sim._kubelet_client",
+    "FailedDial": "agent.sim._kubelet_manager",
     "extended_resource_problem": "agent.sim._kubelet_manager",
 }
 
