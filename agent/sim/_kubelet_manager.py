@@ -185,6 +185,7 @@ class _Endpoint:
     call: object = None
     thread: threading.Thread | None = None
     closing_reason: str = ""
+    ended: threading.Event = field(default_factory=threading.Event)  # the end was reported
 
     def close(self, reason: str) -> None:
         """Cancel the stream (its thread then reports the end); the channel closes with it."""
@@ -387,8 +388,13 @@ class DeviceManager:
         except grpc.RpcError as err:
             reason = f"ListAndWatch ended: {_rpc_error_text(err)}"
         finally:
-            ep.channel.close()
-            self._on_stream_end(ep, ep.closing_reason or reason)
+            try:
+                self._on_stream_end(ep, ep.closing_reason or reason)
+            finally:
+                ep.ended.set()
+                # after the report: within 0.2 s of the dial's connectivity watch, closing
+                # the channel waits that long for gRPC's watcher thread
+                ep.channel.close()
 
     def _on_snapshot(self, ep: _Endpoint, response: dp.ListAndWatchResponse) -> None:
         with self._lock:
@@ -495,8 +501,9 @@ class DeviceManager:
             return [c for c in self._changes if c.seq > after_seq
                     and (not resource or c.resource_name == resource)]
 
-    def drop_endpoints(self, reason: str, wait: float = 5.0) -> None:
-        """Close every stream (kubelet going away) and wait for their threads to report."""
+    def drop_endpoints(self, reason: str, wait: float = 5.0) -> list[_Endpoint]:
+        """Close every stream (kubelet going away) and wait up to `wait` s for their threads to
+        report; returns the endpoints closed, for join_streams to wait on later."""
         with self._lock:
             self._generation += 1
             endpoints = [e for r in self._resources.values()
@@ -508,10 +515,16 @@ class DeviceManager:
                     res.stream_end_reason = reason
         for ep in endpoints:
             ep.close(reason)
+        self.join_streams(endpoints, wait)
+        return endpoints
+
+    @staticmethod
+    def join_streams(endpoints: list[_Endpoint], wait: float = 5.0) -> None:
+        """Wait up to `wait` s for the threads of closed streams to report their end."""
         deadline = time.monotonic() + wait
         for ep in endpoints:
             if ep.thread is not None:
-                ep.thread.join(max(0.0, deadline - time.monotonic()))
+                ep.ended.wait(max(0.0, deadline - time.monotonic()))
 
     def restarted(self, removed_sockets: list[str]) -> int:
         """State after a kubelet restart: devices forgotten until plugins register again (kubelet

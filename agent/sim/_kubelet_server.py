@@ -178,13 +178,18 @@ class SimKubelet:
         self.stop()
 
     @staticmethod
-    def _serve(servicer_adder, servicer, path: str, workers: int, what: str) -> grpc.Server:
-        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
-        if os.path.exists(path):
-            os.unlink(path)
+    def _server(servicer_adder, servicer, workers: int, what: str) -> grpc.Server:
+        """A gRPC server with its servicer, not listening yet."""
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
                                                         thread_name_prefix=what))
         servicer_adder(servicer, server)
+        return server
+
+    @staticmethod
+    def _listen(server: grpc.Server, path: str, what: str) -> grpc.Server:
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)
         try:
             bound = server.add_insecure_port(f"unix:{path}")
         except RuntimeError as err:
@@ -194,13 +199,22 @@ class SimKubelet:
         server.start()
         return server
 
-    def _start_kubelet_servers(self) -> None:
-        self._registration = self._serve(dp_grpc.add_RegistrationServicer_to_server,
-                                          _Registration(self.manager), self.kubelet_socket, 8,
-                                          "registration")
-        self._podresources = self._serve(pr_grpc.add_PodResourcesListerServicer_to_server,
-                                          _PodResources(self.manager), self.podresources_socket,
-                                          4, "podresources")
+    def _kubelet_servers(self) -> tuple[grpc.Server, grpc.Server]:
+        """Registration and podresources servers, built but not listening yet."""
+        return (self._server(dp_grpc.add_RegistrationServicer_to_server,
+                             _Registration(self.manager), 8, "registration"),
+                self._server(pr_grpc.add_PodResourcesListerServicer_to_server,
+                             _PodResources(self.manager), 4, "podresources"))
+
+    def _wipe_and_listen(self, servers: tuple[grpc.Server, grpc.Server]) -> list[str]:
+        """Delete the sockets in DIR and listen on kubelet.sock at once, as kubelet's device
+        manager does (plugin/v1beta1/server.go Start: CleanupPluginDirectory, then listen):
+        a plugin registering meanwhile meets the new kubelet with its socket gone only if it
+        looked at its socket before the wipe. Returns the sockets deleted."""
+        removed = remove_sockets(self.dir)
+        self._registration = self._listen(servers[0], self.kubelet_socket, "registration")
+        self._podresources = self._listen(servers[1], self.podresources_socket, "podresources")
+        return removed
 
     def _stop_kubelet_servers(self) -> None:
         for server in (self._registration, self._podresources):
@@ -214,12 +228,12 @@ class SimKubelet:
     def start(self) -> None:
         with self._lock:
             os.makedirs(self.dir, mode=0o750, exist_ok=True)
-            removed = remove_sockets(self.dir)
-            if removed:
-                log.info("removed stale sockets from %s: %s", self.dir, removed)
-            self._control = self._serve(ctl_grpc.add_SimKubeletControlServicer_to_server,
-                                        _Control(self), self.control_socket, 32, "control")
-            self._start_kubelet_servers()
+            self._control = self._listen(
+                self._server(ctl_grpc.add_SimKubeletControlServicer_to_server, _Control(self),
+                             32, "control"), self.control_socket, "control")
+            removed = self._wipe_and_listen(self._kubelet_servers())
+        if removed:
+            log.info("removed stale sockets from %s: %s", self.dir, removed)
         log.info("simulated kubelet serving: registration %s, podresources %s, control %s",
                  self.kubelet_socket, self.podresources_socket, self.control_socket)
 
@@ -228,15 +242,19 @@ class SimKubelet:
 
         The new instance's state is set before kubelet.sock exists again, so a plugin that
         registers the moment it appears is counted in the new instance and not forgotten.
+        From the old instance's end to the new one listening takes milliseconds, as from a
+        kubelet process's end to the next one's socket: the old streams are cut, and their
+        threads (closing a channel can take 0.2 s) are waited for only after that.
         """
         with self._lock:
             log.info("simulated kubelet restarting")
             before = set(_sockets_in(self.dir))
             self._stop_kubelet_servers()
-            self.manager.drop_endpoints("kubelet restarted")
-            removed = sorted(before.union(remove_sockets(self.dir)))
-            restarts = self.manager.restarted(removed)
-            self._start_kubelet_servers()
+            dropped = self.manager.drop_endpoints("kubelet restarted", wait=0.0)
+            servers = self._kubelet_servers()
+            restarts = self.manager.restarted(sorted(before.union(_sockets_in(self.dir))))
+            removed = sorted(before.union(self._wipe_and_listen(servers)))
+            self.manager.join_streams(dropped)
         return restarts, removed
 
     def stop(self) -> None:
