@@ -268,12 +268,12 @@ def test_bad_allocate_requests_are_refused_and_the_agent_keeps_serving(node, con
     good = agent.allocate([UUIDS[0]], [UUIDS[6], UUIDS[7]])
     assert [r.envs["NVIDIA_VISIBLE_DEVICES"] for r in good.container_responses] == \
         [UUIDS[0], f"{UUIDS[6]},{UUIDS[7]}"]
-    # one INFO line per container
+    # one INFO line per container, written by the log writer (agent.logs.later)
     line = (f"INFO agent.kubelet.plugin: {GPU}: allocated to a container: "
             f"{UUIDS[6]} (GPU 6), {UUIDS[7]} (GPU 7)")
     agent.wait_log(line)
     assert f"allocated to a container: {UUIDS[0]} (GPU 0)" in agent.log
-    # the same request again: the same line again
+    # the same request again: its answer is kept, and so is its line's text
     agent.allocate([UUIDS[6], UUIDS[7]])
     agent.wait_log(line, times=2)
     assert len(admit(node, "p", 1).device_ids) == 1

@@ -265,3 +265,38 @@ def test_registration_with_the_simulated_kubelet(sockdir):
             server.stop()
         with pytest.raises(RegistrationError, match="registering nvidia.com/gpu with kubelet"):
             server.register(os.path.join(sockdir, "nobody.sock"), timeout=2)
+
+
+def test_a_repeated_allocate_is_recorded_each_time_and_answered_anew_after_a_reload(sockdir,
+                                                                                   tmp_path):
+    # the plugin keeps its answers by the request's bytes: each repeat is still recorded, a
+    # reload answers anew, and with passDeviceSpecs nothing is kept (nvidia-uvm appears on
+    # first use, and the next container must get it)
+    recorded = []
+    manager = ResourceManager(RESOURCE_GPU, DGX, ResponseOptions(),
+                              journal=lambda res, hits: recorded.append(hits[0].devices[0].id))
+    server = PluginServer(manager, sockdir)
+    server.start()
+    channel = grpc.insecure_channel(f"unix:{server.path}")
+    stub = dp_grpc.DevicePluginStub(channel)
+    request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(
+        devices_ids=[IDS[3]])])
+    try:
+        first, again = (stub.Allocate(request, timeout=10).container_responses[0]
+                        for _ in range(2))
+        assert first == again and not first.mounts and recorded == [IDS[3]] * 2
+        manager.reconfigure(DGX, ResponseOptions(("volume-mounts",)))
+        assert stub.Allocate(request, timeout=10).container_responses[0].mounts
+        (tmp_path / "dev").mkdir()
+        (tmp_path / "dev" / "nvidiactl").touch()
+        manager.reconfigure(DGX, ResponseOptions(pass_device_specs=True, dev_root=str(tmp_path)))
+        before = stub.Allocate(request, timeout=10).container_responses[0]
+        (tmp_path / "dev" / "nvidia-uvm").touch()
+        after = stub.Allocate(request, timeout=10).container_responses[0]
+        assert [d.container_path for d in before.devices] == ["/dev/nvidiactl", "/dev/nvidia3"]
+        assert [d.container_path for d in after.devices] == ["/dev/nvidiactl", "/dev/nvidia-uvm",
+                                                             "/dev/nvidia3"]
+        assert recorded == [IDS[3]] * 5
+    finally:
+        channel.close()
+        server.stop()

@@ -173,6 +173,8 @@ def test_an_allocate_is_recorded_by_the_journal_hook_of_its_time():
                         journal=lambda res, hits: calls.append(("waiting hook", res, len(hits))))
     m.allocate([[DEVICES[0].id]])
     m.journal = lambda res, hits: calls.append(("journal", res, [d.id for d in hits[0][0]]))
-    [(_, response)] = m.allocate([[DEVICES[0].id]])
-    assert calls == [("waiting hook", RESOURCE_GPU, 1), ("journal", RESOURCE_GPU, [DEVICES[0].id])]
-    assert response.envs == {"NVIDIA_VISIBLE_DEVICES": DEVICES[0].id}
+    answer = m.allocate([[DEVICES[0].id]])
+    m.record(answer)  # an answer given again (the plugin keeps them) is recorded the same way
+    assert calls == [("waiting hook", RESOURCE_GPU, 1)] + \
+        [("journal", RESOURCE_GPU, [DEVICES[0].id])] * 2
+    assert answer[0].response.envs == {"NVIDIA_VISIBLE_DEVICES": DEVICES[0].id}

@@ -25,13 +25,13 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from agent import latency
+from agent import latency, logs
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from agent._proto.deviceplugin.v1beta1.constants import HEALTHY, UNHEALTHY, VERSION
+from agent._proto.deviceplugin.v1beta1.constants import VERSION
 from agent.errors import AgentError, RegistrationError, RequestError, StateError
-from agent.rm.allocate import ContainerResponse
-from agent.rm.manager import PreferredRequest, ResourceManager, Snapshot
+from agent.kubelet.messages import allocate_response, list_response
+from agent.rm.manager import PreferredRequest, ResourceManager
 
 log = logging.getLogger(__name__)
 
@@ -46,36 +46,16 @@ REGISTER_TIMEOUT_S = 5.0
 # threads let 64 concurrent callers through a fifth slower than 4 (bench/bench_floor.py).
 WORKERS = 4
 SERVICE = "v1beta1.DevicePlugin"
+# Allocate's answers kept by request bytes (speed-only, kept by docs/benchmarks.md's rule) for
+# requests up to this long (a whole 8-GPU node's is some 400 bytes), this many (then cleared).
+REQUEST_KEPT_BYTES = 4096
+ANSWERS_KEPT = 1024
 
 
 def socket_name(resource: str) -> str:
     """gpu-agent-<name after the slash>.sock (gpu-agent-gpu.sock for nvidia.com/gpu: not
     NVIDIA's nvidia-gpu.sock, so the two never remove each other's socket in a migration)."""
     return f"{SOCKET_PREFIX}{resource.rsplit('/', 1)[-1]}.sock"
-
-
-def _device(health) -> dp.Device:
-    d = health.device
-    device = dp.Device(ID=d.id, health=HEALTHY if health.healthy else UNHEALTHY)
-    if d.numa_node is not None:
-        device.topology.nodes.add(ID=d.numa_node)
-    return device
-
-
-def list_response(snapshot: Snapshot) -> dp.ListAndWatchResponse:
-    return dp.ListAndWatchResponse(devices=[_device(h) for h in snapshot.devices])
-
-
-def _container_response(r: ContainerResponse) -> dp.ContainerAllocateResponse:
-    return dp.ContainerAllocateResponse(
-        envs=r.envs,
-        mounts=[dp.Mount(container_path=m.container_path, host_path=m.host_path,
-                         read_only=m.read_only) for m in r.mounts],
-        devices=[dp.DeviceSpec(container_path=s.container_path, host_path=s.host_path,
-                               permissions=s.permissions) for s in r.devices],
-        annotations=r.annotations,
-        cdi_devices=[dp.CDIDevice(name=n) for n in r.cdi_devices],
-    )
 
 
 def _timed(histogram: latency.Histogram, handler, request, context):
@@ -91,6 +71,9 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
         self.manager = plugin.manager
+        # request bytes -> (the manager's settings, its allocations, the answer's bytes, the
+        # log lines' text): kubelet asks for the same few device sets again and again
+        self._kept: dict[bytes, tuple] = {}
         self._allocate_latency = latency.histogram("Allocate", self.manager.resource)
         self._preferred_latency = latency.histogram("GetPreferredAllocation",
                                                     self.manager.resource)
@@ -126,32 +109,47 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request, context):
         return _timed(self._preferred_latency, self._preferred, request, context)
 
-    def Allocate(self, raw: bytes, context) -> dp.AllocateResponse:
+    def Allocate(self, raw: bytes, context) -> bytes:
         return _timed(self._allocate_latency, self._allocate, raw, context)
 
-    def _allocate(self, raw: bytes, context) -> dp.AllocateResponse:
-        """The answer to `raw`'s AllocateRequest, recorded by `manager.allocate` before it is sent."""
+    def _allocate(self, raw: bytes, context) -> bytes:
+        """The answer to `raw`'s AllocateRequest (bytes in and out: `_add_servicer`), kept for
+        those bytes while the manager's settings hold; recorded in the journal by the manager
+        (`allocate`, or `record` for a kept answer) before it is sent."""
         manager = self.manager
+        settings, kept = manager.settings, self._kept.get(raw)
         try:
-            request = dp.AllocateRequest.FromString(raw)
-        except DecodeError as exc:
-            log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
-                        manager.resource, exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the request is not a valid AllocateRequest: {exc}")
-        try:
-            allocations = manager.allocate([c.devices_ids for c in request.container_requests])
+            if kept is not None and kept[0] is settings:
+                _, allocations, data, lines = kept
+                manager.record(allocations)
+            else:
+                allocations = manager.allocate([c.devices_ids for c in
+                                                self._decoded(raw, context).container_requests])
+                data = allocate_response(a.response for a in allocations).SerializeToString()
+                lines = [", ".join(d.describe() for d in a.devices) for a in allocations]
+                if settings[3] and len(raw) <= REQUEST_KEPT_BYTES:
+                    if len(self._kept) >= ANSWERS_KEPT:
+                        self._kept.clear()
+                    self._kept[raw] = (settings, allocations, data, lines)
         except RequestError as exc:
             log.warning("%s: refused Allocate: %s", manager.resource, exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StateError as exc:  # not recorded: kubelet must not start the container
             log.error("%s: Allocate failed: %s", manager.resource, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        for devices, _ in allocations:  # the line operators grep for
-            log.info("%s: allocated to a container: %s", manager.resource,
-                     ", ".join(d.describe() for d in devices))
-        return dp.AllocateResponse(container_responses=[
-            _container_response(a.response) for a in allocations])
+        for text in lines:  # the line operators grep for, written by the log writer thread
+            logs.later(log, logging.INFO, "%s: allocated to a container: %s", manager.resource,
+                       text)
+        return data
+
+    def _decoded(self, raw: bytes, context) -> dp.AllocateRequest:
+        try:
+            return dp.AllocateRequest.FromString(raw)
+        except DecodeError as exc:
+            log.warning("%s: refused Allocate: the request is not an AllocateRequest (%s)",
+                        self.manager.resource, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the request is not a valid AllocateRequest: {exc}")
 
     def _preferred(self, request, context):
         requests = [PreferredRequest(list(c.available_deviceIDs), list(c.must_include_deviceIDs),
@@ -171,16 +169,18 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
 
 
 def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
-    """dp_grpc.add_DevicePluginServicer_to_server, except that Allocate gets its request's
-    bytes and decodes them itself: bytes that are no AllocateRequest are refused with
-    INVALID_ARGUMENT and the reason, where gRPC's decoding would answer INTERNAL."""
+    """dp_grpc.add_DevicePluginServicer_to_server, except that Allocate takes and returns the
+    bytes on the wire: it decodes its requests (bytes that are no AllocateRequest are refused
+    with INVALID_ARGUMENT and the reason, where gRPC's would answer INTERNAL) and keeps its
+    answers' bytes."""
     handlers = {name: grpc.unary_unary_rpc_method_handler(
-        getattr(servicer, name), request and request.FromString, response.SerializeToString)
+        getattr(servicer, name), request and request.FromString,
+        response and response.SerializeToString)
         for name, request, response in (
             ("GetDevicePluginOptions", dp.Empty, dp.DevicePluginOptions),
             ("GetPreferredAllocation", dp.PreferredAllocationRequest,
              dp.PreferredAllocationResponse),
-            ("Allocate", None, dp.AllocateResponse),
+            ("Allocate", None, None),
             ("PreStartContainer", dp.PreStartContainerRequest, dp.PreStartContainerResponse))}
     handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
         servicer.ListAndWatch, dp.Empty.FromString, dp.ListAndWatchResponse.SerializeToString)

@@ -85,10 +85,11 @@ class ResourceManager:
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
-        # (options, devices by ID, one replica per container: failRequestsGreaterThanOne):
-        # replaced whole by reconfigure, read once per Allocate, so that an Allocate during a
-        # reload gets the old settings or the new ones, never a mix
-        self._allocating = (options, self.by_id, one_replica)
+        # (options, devices by ID, one replica per container: failRequestsGreaterThanOne,
+        # whether the same request gets the same answer): replaced whole by reconfigure, read
+        # once per Allocate, so that an Allocate during a reload gets the old settings or the
+        # new ones, never a mix; a caller that keeps answers keeps them while it is the same
+        self.settings = _settings(options, self.by_id, one_replica)
         self._cond = threading.Condition()
         self._version = 1
         self._closed = False
@@ -173,10 +174,10 @@ class ResourceManager:
             self.allocation_policy, self.replica_policy = allocation_policy, replica_policy
             self.one_gpu = one_gpu
             if devices == self.devices:
-                self._allocating = (options, self.by_id, one_replica)
+                self.settings = _settings(options, self.by_id, one_replica)
                 return False
             self.devices, self.by_id = devices, {d.id: d for d in devices}
-            self._allocating = (options, self.by_id, one_replica)
+            self.settings = _settings(options, self.by_id, one_replica)
             self._health = {d.id: self._health.get(d.id, (True, "")) for d in devices}
             self._version += 1
             self._cond.notify_all()
@@ -196,7 +197,7 @@ class ResourceManager:
         RequestError (nothing allocated) if any request is empty, repeats an ID or names an
         unknown one. With a `journal`, the allocation is recorded before this returns
         (StateError if it could not be)."""
-        options, by_id, one_replica = self._allocating
+        options, by_id, one_replica, _ = self.settings
         out = []
         for ids in container_requests:
             devices = resolve_request(self.resource, ids, by_id)
@@ -204,9 +205,15 @@ class ResourceManager:
                 check_shared_request(self.resource, devices)
             out.append(Allocation(devices, container_response(devices, options,
                                                               resource=self.resource)))
-        if self.journal is not None:
-            self.journal(self.resource, out)
+        self.record(out)
         return out
+
+    def record(self, allocations: list[Allocation]) -> None:
+        """Record an Allocate answered with `allocations` (the journal hook, StateError if it
+        could not be recorded): `allocate` calls it, and a caller that answers a request
+        again with an answer it kept (while `settings` is the same)."""
+        if self.journal is not None:
+            self.journal(self.resource, allocations)
 
     def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
         """The preferred device IDs for each container request, in order; RequestError if one
@@ -216,6 +223,14 @@ class ResourceManager:
                                      policy=self.allocation_policy,
                                      replica_policy=self.replica_policy,
                                      one_gpu=self.one_gpu) for r in requests]
+
+
+def _settings(options: ResponseOptions, by_id: dict, one_replica: bool) -> tuple:
+    """A manager's `settings`. An answer may be given again to the same request unless each
+    must be new: a CDI annotation key is unique per Allocate, and passDeviceSpecs passes the
+    control nodes that exist now (nvidia-uvm appears on first use)."""
+    repeats = not options.pass_device_specs and "cdi-annotations" not in options.list_strategies
+    return (options, by_id, one_replica, repeats)
 
 
 def _fitting(topology: TopologyModel | None, devices: Sequence[Device]) -> TopologyModel:
