@@ -1,0 +1,146 @@
+"""A kubelet start that wipes the device-plugin directory while the agent is about to register,
+against the simulated kubelet, which dials a registering plugin as the real one does (blocking,
+gRPC's reconnect backoff: a Register whose plugin socket is missing waits about 1 s for the next
+attempt) and keeps every dial whose first attempt failed (SimKubelet.failed_dials):
+- in-process, the registrar with a kubelet start made to land every time between its server
+  coming up and its Register call: it registers only once its socket is back (the re-check of
+  path and inode right before Register; without it the kubelet dials a missing socket);
+- `gpu-agent run` as a real subprocess, 100 rounds of a kubelet killed with SIGKILL (its
+  kubelet.sock left behind, refusing connections) and two kubelet starts 0-150 ms apart: no
+  dial of the final kubelet fails, and every round ends registered with it with 8 healthy
+  devices. The time from the second start to the first device list is printed (max, median).
+Both assert the cause of a slow registration (a failed dial), never a time. No fixed sleeps but
+the gap between the two starts, which is the scenario itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import time
+
+import pytest
+
+from agent.kubelet.plugin import PluginServer
+from agent.kubelet.registrar import Registrar
+from agent.rm.allocate import ResponseOptions
+from agent.rm.devices import RESOURCE_GPU
+from agent.rm.manager import ResourceManager
+from agent.sim.kubelet import SimKubelet, SimKubeletClient
+from tests.conftest import ROOT, gpu_agent_cmd
+from tests.daemon_harness import GPU, WAIT, Agent, Node
+from tests.test_plugin import DGX
+from tests.test_sim_kubelet import short_tmpdir_fixture
+
+ROUNDS = 100
+MAX_GAP_S = 0.150
+
+kdir = short_tmpdir_fixture("gd", "kdir")
+
+
+def _registered_with_eight(state) -> bool:
+    """kubelet has the resource's stream open and 8 healthy devices from this registration."""
+    r = state.resource(GPU)
+    return r is not None and r.connected and r.allocatable == 8 \
+        and r.last_snapshot_ns >= r.registered_ns
+
+
+# -- in-process: the window made to happen ----------------------------------------------------
+
+
+def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdir, monkeypatch):
+    started = PluginServer.start
+    kubelet_starts = []
+
+    def start_then_a_kubelet_starts(server: PluginServer) -> None:
+        started(server)
+        if not kubelet_starts:  # the first time: our socket is there, we are about to register
+            kubelet_starts.append(kubelet.restart())  # wipes it, listens on a new kubelet.sock
+
+    monkeypatch.setattr(PluginServer, "start", start_then_a_kubelet_starts)
+    with SimKubelet(kdir) as kubelet, SimKubeletClient(kdir) as client:
+        registrar = Registrar(kubelet.kubelet_socket)
+        registrar.start()
+        try:
+            registrar.serve({RESOURCE_GPU: ResourceManager(RESOURCE_GPU, DGX, ResponseOptions())})
+            client.wait_for(lambda s: s.restarts == 1 and _registered_with_eight(s), WAIT,
+                            what="registration with the kubelet that started")
+            assert registrar.status()[RESOURCE_GPU].registered
+        finally:
+            registrar.stop()
+        assert len(kubelet_starts) == 1
+        # kubelet never dialled a socket the start had removed (it would have waited on gRPC's
+        # reconnect backoff, and the registrar with it)
+        assert kubelet.failed_dials() == []
+        assert client.registrations_per_instance(GPU) == {1: 1}
+
+
+# -- `gpu-agent run`: 100 double starts after a killed kubelet ---------------------------------
+
+
+@pytest.fixture
+def node():
+    with Node(start_kubelet=False) as n:
+        yield n
+
+
+class KilledKubelet:
+    """`gpu-agent sim kubelet` as a subprocess, for the agent to register with before it is
+    killed with SIGKILL (by PID) and leaves its sockets behind."""
+
+    def __init__(self, node: Node):
+        with open(node.path("killed-kubelet.log"), "ab") as log:
+            self.proc = subprocess.Popen(gpu_agent_cmd("sim", "kubelet", "--dir", node.kdir),
+                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(WAIT)
+
+
+def _double_start(node: Node, agent: Agent, gap_s: float) -> tuple[SimKubelet, float]:
+    """A kubelet the agent registered with, killed; then two starts `gap_s` apart. Returns the
+    final kubelet (running) and the seconds from its start to the agent's first device list."""
+    killed = KilledKubelet(node)
+    try:
+        node.client.wait_ready(WAIT)
+        agent.wait_for(_registered_with_eight, "registration with the kubelet to kill")
+        refused = f"with kubelet at {node.kubelet_socket} failed"
+        before = agent.log.count(refused)
+    finally:
+        killed.kill()
+    assert os.path.exists(node.kubelet_socket)  # left behind by the killed kubelet
+    agent.wait_log(refused, times=before + 1)  # the agent tried it: nobody listens there
+    node.kubelet = SimKubelet(node.kdir)
+    node.kubelet.start()  # the first start: the directory wiped, a new kubelet.sock
+    time.sleep(gap_s)  # the gap is the scenario itself, not a wait for an outcome
+    second = time.monotonic_ns()
+    node.kubelet.restart()  # the second start: wiped again
+    node.client.wait_ready(WAIT)
+    agent.wait_for(lambda s: s.restarts == 1 and _registered_with_eight(s),
+                   "registration with the second start")
+    first_list = next(c for c in node.client.allocatable_history(GPU)
+                      if c.instance == 1 and c.allocatable == 8)
+    return node.kubelet, (first_list.monotonic_ns - second) / 1e9
+
+
+@pytest.mark.timeout(300)  # about 60 s on a quiet machine: each killed kubelet is a new process
+def test_a_hundred_double_starts_after_a_killed_kubelet_never_dial_a_missing_socket(node):
+    agent = node.agent()
+    failed, took = [], []
+    for n in range(ROUNDS):
+        kubelet, seconds = _double_start(node, agent, MAX_GAP_S * n / (ROUNDS - 1))
+        took.append(seconds)
+        failed += [(n, dial) for dial in kubelet.failed_dials(instance=1)]
+        kubelet.stop()
+        node.kubelet = None
+    print(f"\nregistered with the second start, {ROUNDS} rounds: max {max(took):.3f} s, "
+          f"median {statistics.median(took):.3f} s")
+    # each would be a Register that waited on kubelet's reconnect backoff (about 1 s)
+    assert failed == []
+    assert agent.alive()
+    assert "Traceback" not in agent.log and "ERROR" not in agent.log
+    assert agent.stop() == 0
