@@ -300,21 +300,27 @@ class Daemon:
             due = [t for t in (self.nvml.retry_at, self._watchdog_at,
                                self.resources.mig_watch.due) if t is not None]
             timeout = min([LOOP_TICK_S] + [max(0.0, t - now) for t in due])
-            self._on_signals(self._waiter.wait(timeout))
+            signals = self._waiter.wait(timeout)
+            self._on_signals(signals)
             if self.stop_requested:
                 return
+            acted = bool(signals)
             if self._label_changed:
                 self._label_changed = False
                 self._reload(f"node label {self.label_watch.label}={self.label_watch.value!r}")
+                acted = True
             self._watchdog()
             now = time.monotonic()
             if self.nvml.retry_at is not None and now >= self.nvml.retry_at:
                 self.nvml.retry_at = None
                 self._bring_up()
+                acted = True
             elif self.nvml.up and (self.nvml.rediscover_due or
                                    self.resources.mig_watch.changed(self.resources.gpus, now)):
                 self._remig()
-            self._publish()
+                acted = True
+            if acted or self.publisher.due(self):  # a tick with nothing new costs no status
+                self._publish()
 
     def _watchdog(self) -> None:
         """Ping systemd's watchdog when due (from the loop, and while it waits for NVML)."""
