@@ -36,11 +36,11 @@ from agent.rm.manager import PreferredRequest, ResourceManager
 log = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "gpu-agent-"
-# A ListAndWatch stream sleeps on its manager's condition, woken by a change of the devices or
-# their health, by kubelet going away (an RPC-termination callback) or by the server stopping;
-# this timeout is only a safety net, long so that an idle agent stays asleep.
+# A ListAndWatch stream sleeps until its devices or their health change, kubelet goes away or
+# the server stops; this timeout is only a safety net, long so that an idle agent sleeps.
 STREAM_RECHECK_S = 60.0
 REGISTER_TIMEOUT_S = 5.0
+REGISTER_CHECK_S = 0.01  # while kubelet dials us back: how often our socket is looked at
 # Threads per resource's server: its ListAndWatch stream (two while kubelet re-registers) and
 # the calls kubelet makes one at a time. More callers than threads queue in gRPC's core; 16
 # threads let 64 concurrent callers through a fifth slower than 4 (bench/bench_floor.py).
@@ -169,10 +169,8 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
 
 
 def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
-    """dp_grpc.add_DevicePluginServicer_to_server, except that Allocate takes and returns the
-    bytes on the wire: it decodes its requests (bytes that are no AllocateRequest are refused
-    with INVALID_ARGUMENT and the reason, where gRPC's would answer INTERNAL) and keeps its
-    answers' bytes."""
+    """dp_grpc.add_DevicePluginServicer_to_server, but Allocate takes and returns the bytes on
+    the wire (bad bytes: INVALID_ARGUMENT with the reason, not gRPC's INTERNAL)."""
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request and request.FromString,
         response and response.SerializeToString)
@@ -189,12 +187,9 @@ def _add_servicer(servicer: _DevicePlugin, server: grpc.Server) -> None:
 
 
 class PluginServer:
-    """The gRPC server of one resource on DIR/gpu-agent-<name>.sock.
-
-    start() listens (stale socket replaced, mode 0600); register(kubelet_socket) registers
-    the endpoint with kubelet; stop() ends the streams, stops serving and removes the socket.
-    A stopped server is not restarted: the daemon makes a new one.
-    """
+    """The gRPC server of one resource on DIR/gpu-agent-<name>.sock: start() listens (mode
+    0600), register() registers it with kubelet, stop() ends the streams and removes the
+    socket. A stopped server is not restarted: the registrar makes a new one."""
 
     def __init__(self, manager: ResourceManager, socket_dir: str):
         self.manager = manager
@@ -205,15 +200,13 @@ class PluginServer:
                                               get_preferred_allocation_available=True)
         self.inode: int | None = None
         self.stopping = False
-        # called (on a gRPC thread) when kubelet ended the last open ListAndWatch stream while
-        # this server keeps serving: the registrar decides whether to register again
+        # on a gRPC thread when kubelet ended the last stream: the registrar decides what next
         self.on_dropped: Callable[[], None] | None = None
         self._server: grpc.Server | None = None
         self._lock = threading.Lock()
         self._streams = 0
-        # streams opened since the last Register call: a stream of an earlier kubelet ending
-        # after we registered with a new one (two kubelet starts 150 ms apart, under load) is
-        # not the new kubelet dropping us
+        # streams opened since the last Register: an earlier kubelet's stream ending after it
+        # (two kubelet starts 150 ms apart) is not the new kubelet dropping us
         self._opened_since_register = 0
 
     def __repr__(self) -> str:
@@ -233,9 +226,8 @@ class PluginServer:
             self.on_dropped()
 
     def start(self) -> None:
-        """Listen on our path. kubelet may wipe its directory at any moment, this one
-        included: a socket that vanished as it was made leaves `owns_socket()` False (the
-        registrar then starts another server), never an exception out of here."""
+        """Listen on our path. A socket kubelet wiped as it was made leaves `owns_socket()`
+        False (the registrar then starts another server), never an exception."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket left by a crash: nobody is serving it
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
@@ -268,17 +260,25 @@ class PluginServer:
             return False
 
     def register(self, kubelet_socket: str, timeout: float = REGISTER_TIMEOUT_S) -> None:
-        """Register this endpoint with the kubelet at `kubelet_socket` (kubelet dials us back
-        before it answers); RegistrationError on failure."""
+        """Register this endpoint with the kubelet at `kubelet_socket`, which dials us back
+        before it answers; RegistrationError on failure, and at once when our socket is removed
+        meanwhile (a kubelet starting wipes it: its dial would back off for seconds)."""
         request = dp.RegisterRequest(version=VERSION, endpoint=self.endpoint,
                                      resource_name=self.resource, options=self.options)
         with self._lock:  # before the call: kubelet may open its stream before it answers
             self._opened_since_register = 0
         channel = grpc.insecure_channel(f"unix:{kubelet_socket}",
                                         options=[("grpc.enable_http_proxy", 0)])
+        answered = threading.Event()
+        call = dp_grpc.RegistrationStub(channel).Register.future(request, timeout=timeout)
+        call.add_done_callback(lambda _: answered.set())
         try:
-            dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout,
-                                                       wait_for_ready=False)
+            while not answered.wait(REGISTER_CHECK_S):
+                if not self.owns_socket():
+                    call.cancel()
+                    raise RegistrationError(f"{self.path} was removed while registering "
+                                            f"{self.resource}")
+            call.result()
         except grpc.RpcError as exc:
             raise RegistrationError(
                 f"registering {self.resource} with kubelet at {kubelet_socket} failed: "

@@ -335,6 +335,10 @@ class Registrar:
         try:
             p.server.register(self.kubelet_socket)
         except RegistrationError as exc:
+            if not p.server.owns_socket():  # a kubelet started meanwhile: serve, then register
+                log.info("%s: %s; serving it again", name, exc)
+                self._wake()
+                return
             delay = self._failed(p, kubelet, str(exc))
             level = log.warning if p.backoff <= RETRY_FIRST_S * 2 else log.debug
             level("%s; retrying in %g s", exc, delay)
