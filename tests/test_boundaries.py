@@ -59,10 +59,7 @@ GRPC_PARTS = {"kubelet", "daemon", "sim", "_proto", "demo", "__main__"}
 def _part(module_path: Path) -> str:
     rel = module_path.relative_to(AGENT)
     head = rel.parts[0]
-    head = head[:-3] if head.endswith(".py") else head
-    if head.startswith("_config_"):
-        return "config"
-    return "demo" if head.startswith("demo_") else head  # the demo's steps, split by subject
+    return head[:-3] if head.endswith(".py") else head
 
 
 def _agent_imports(tree: ast.AST) -> list[tuple[str, int]]:
