@@ -236,7 +236,7 @@ class Daemon:
 
     def _load_config(self) -> Config:
         """The config from the flags, the environment and the config file, or the named config
-        the node's label chooses (agent._config_named) when there are named configs; the label
+        the node's label chooses (agent.config.named) when there are named configs; the label
         is read (and watched) only then."""
         base = load_config(self.args, self.environ)
         self._watch_label(base)

@@ -823,43 +823,6 @@ def _not_answering(what: str) -> str:
     return f"NVML not answering: {what} did not return within {GUARD.budget_s:g} s"
 
 
-def format_status(doc: dict) -> list[str]:
-    """`gpu-agent status` lines for the health part of status.json."""
-    if not doc:
-        return []
-    c = doc.get("counters", {})
-    lines = [f"health: {'on' if doc.get('enabled') else 'off'} ({doc.get('implementation')}; "
-             f"{doc.get('policy')}); recovery quiet period {doc.get('quietPeriodS'):g} s",
-             f"  events: {c.get('delivered', 0)} delivered, {c.get('ignored', 0)} ignored XIDs, "
-             f"{c.get('sbe', 0)} single-bit ECC; wait errors {c.get('waitErrors', 0)}, event "
-             f"set {doc.get('eventSet')}"
-             + (f"; {c['loopErrors']} unexpected loop errors (see the log)"
-                if c.get("loopErrors") else "")]
-    iso = doc.get("isolation", {})
-    if iso.get("file"):
-        named = iso.get("indexes", []) + iso.get("uuids", [])
-        lines.append(f"  isolation file {iso['file']}: "
-                     + (", ".join(named) if named else "nothing isolated")
-                     + (f"; ERROR: {iso['error']}" if iso.get("error") else ""))
-    if doc.get("stateError"):
-        lines.append(f"  state: {doc['stateError']}")
-    for index, why in sorted(doc.get("unsupported", {}).items()):
-        lines.append(f"  GPU {index}: no NVML events ({why})")
-    for u in doc.get("unhealthy", []):
-        lines.append(f"  unhealthy: {u['id']} (GPU {u['gpuIndex']} {u['gpuUuid']}) "
-                     f"[xid={u['xid']} action={u['action']}]: {u['reason']}")
-    recent = doc.get("transitions", [])
-    if recent:
-        lines.append("  recent transitions:")
-        for t in recent[-10:]:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t["time"]))
-            state = "healthy" if t["healthy"] else "unhealthy"
-            extra = "" if t["healthy"] else f" [xid={t['xid']} action={t['action']}]"
-            lines.append(f"    {stamp} GPU {t['gpuIndex']} {t['gpuUuid']} {state}{extra}: "
-                         f"{t['reason']}")
-    return lines
-
-
 def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                         devices: Sequence[Any], sink: Sink,
                         on_change: Callable[[], None] | None = None,
@@ -879,5 +842,5 @@ def monitor_from_config(cfg: Any, *, library_path: str, gpus: Sequence[Any],
                          holders=holders)
 
 
-__all__ = ["ACTION_TEXT", "HealthMonitor", "format_status", "matches_instance",
+__all__ = ["ACTION_TEXT", "HealthMonitor", "matches_instance",
            "monitor_from_config"]
