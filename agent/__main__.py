@@ -142,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     from agent import logs
 
     # the agent's lines carry the time, unless the journal, which adds its own, takes them
-    stop_logging = logs.setup(getattr(logging, args.log_level.upper()),
-                              background=args.command == "run",
-                              timestamps=args.command == "run" and not logs.journal_stderr())
+    logs.setup(getattr(logging, args.log_level.upper()),
+               timestamps=args.command == "run" and not logs.journal_stderr())
     try:
         return int(args.func(args) or 0)
     except AgentError as exc:
@@ -155,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # the one catch-all: anything unexpected is a bug, shown with its trace
         log.exception("gpu-agent %s failed unexpectedly", args.command)
         return 1
-    finally:
-        stop_logging()
 
 
 if __name__ == "__main__":

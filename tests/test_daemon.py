@@ -268,7 +268,7 @@ def test_bad_allocate_requests_are_refused_and_the_agent_keeps_serving(node, con
     good = agent.allocate([UUIDS[0]], [UUIDS[6], UUIDS[7]])
     assert [r.envs["NVIDIA_VISIBLE_DEVICES"] for r in good.container_responses] == \
         [UUIDS[0], f"{UUIDS[6]},{UUIDS[7]}"]
-    # one INFO line per container, written by the log writer (agent.logs.later)
+    # one INFO line per container
     line = (f"INFO agent.kubelet.plugin: {GPU}: allocated to a container: "
             f"{UUIDS[6]} (GPU 6), {UUIDS[7]} (GPU 7)")
     agent.wait_log(line)

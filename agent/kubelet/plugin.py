@@ -25,7 +25,7 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from agent import latency, logs
+from agent import latency
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1.constants import VERSION
@@ -137,9 +137,8 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
         except StateError as exc:  # not recorded: kubelet must not start the container
             log.error("%s: Allocate failed: %s", manager.resource, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"allocation not recorded: {exc}")
-        for text in lines:  # the line operators grep for, written by the log writer thread
-            logs.later(log, logging.INFO, "%s: allocated to a container: %s", manager.resource,
-                       text)
+        for text in lines:  # the line operators grep for
+            log.info("%s: allocated to a container: %s", manager.resource, text)
         return data
 
     def _decoded(self, raw: bytes, context) -> dp.AllocateRequest:
