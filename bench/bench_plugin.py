@@ -48,14 +48,27 @@ CALLS_PER_CALLER = 60
 Kind = ctl.Event.Kind
 
 
-class _Run:
-    """One agent process against the bench's simulated kubelet."""
+# Agents started without a piece of speed-only code, to measure what it buys (docs/benchmarks.md
+# names the rule): Python code run before the agent's own `main`.
+WITHOUT = {
+    # agent/deferred.py: the modules it defers imported first (it defers none then)
+    "the deferral": "import grpc, inspect, typing_extensions, ctypes.util, "
+                    "google.protobuf.internal.python_message; ",
+    # agent/gcpause.py: gc.disable (the start's and the pauses') and gc.freeze made no-ops
+    "the collector's pause": "import gc; gc.disable = gc.freeze = lambda: None; ",
+}
 
-    def __init__(self, work: str, kdir: str, env: dict, *args: str):
+
+class _Run:
+    """One agent process against the bench's simulated kubelet; `prelude`: Python code run
+    in it before the agent (a WITHOUT value)."""
+
+    def __init__(self, work: str, kdir: str, env: dict, *args: str, prelude: str = ""):
         self.log = open(os.path.join(work, "agent.log"), "ab")  # closed in stop()
         self.t0_ns = time.time_ns()
+        command = AGENT_COMMAND[:-1] + [prelude + AGENT_COMMAND[-1]]
         self.proc = subprocess.Popen(
-            [*AGENT_COMMAND, "run", "--kubelet-socket",
+            [*command, "run", "--kubelet-socket",
              os.path.join(kdir, "kubelet.sock"), "--state-dir", os.path.join(work, "state"),
              "--nvml-library", str(lib_path()), *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -113,21 +126,31 @@ def run() -> Section:
     client = SimKubeletClient(kdir)
     agent = None
     try:
-        # -- start to registered, several times ------------------------------------------------
+        # -- start to registered, several times, and without each piece (interleaved) -----------
         to_registered, to_devices, rss_start = [], [], []
+        without: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in WITHOUT}
+        spawn: list[float] = []
         for _ in range(STARTS):
-            after = client.state().last_event_seq
-            agent = _Run(work, kdir, env)
-            registered = _next(client, Kind.REGISTERED, after, "registration")
-            snapshot = _next(client, Kind.SNAPSHOT, registered.seq, "first device list")
-            to_registered.append((registered.time.wall_ns - agent.t0_ns) / 1e9)
-            to_devices.append((snapshot.time.wall_ns - agent.t0_ns) / 1e9)
-            time.sleep(0.5)  # let start-up settle before reading memory
-            rss_start.append(rss_mb(agent.proc.pid))
-            agent.stop()
-            agent = None
+            spawn.append(_spawn_pass())
+            for piece in (None, *WITHOUT):
+                after = client.state().last_event_seq
+                agent = _Run(work, kdir, env, prelude=WITHOUT.get(piece, ""))
+                registered = _next(client, Kind.REGISTERED, after, "registration")
+                snapshot = _next(client, Kind.SNAPSHOT, registered.seq, "first device list")
+                took = (registered.time.wall_ns - agent.t0_ns) / 1e9
+                time.sleep(0.5)  # let start-up settle before reading memory
+                rss = rss_mb(agent.proc.pid)
+                if piece is None:
+                    to_registered.append(took)
+                    to_devices.append((snapshot.time.wall_ns - agent.t0_ns) / 1e9)
+                    rss_start.append(rss)
+                else:
+                    without[piece][0].append(took)
+                    without[piece][1].append(rss)
+                agent.stop()
+                agent = None
 
-        spawn, stages = _start_floor()
+        stages = _start_stages()
 
         # -- one agent for the rest -------------------------------------------------------------
         after = client.state().last_event_seq
@@ -172,8 +195,15 @@ def run() -> Section:
 
     row("Allocate, 1 caller", one, False, "p99 ≤ 2 ms", 0.002)
     row(f"Allocate, {MANY_CALLERS} concurrent callers", many, False, "—", None)
-    row("start → registered", to_registered, False, "median ≤ 150 ms", None,
-        median_limit=0.150)
+    floor = statistics.median(spawn)
+    row(f"start → registered ({statistics.median(to_registered) / floor:.1f}× `python -c "
+        "pass`)", to_registered, False, "median ≤ 10× `python -c pass`", None,
+        median_limit=10 * floor)
+    for piece, (took, rss) in without.items():
+        med = statistics.median(took)
+        row(f"start → registered without {piece} ({med / floor:.1f}×; the piece buys "
+            f"{1 - statistics.median(to_registered) / med:.0%}; RSS after start "
+            f"{max(rss):.1f} MB)", took, False, "—", None)
     row("start → first device list", to_devices, False, "—", None)
     row("reference: spawn `python -c pass` to its exit", spawn, False, "—", None)
     for name, samples in zip(IMPORT_STAGES, stages):
@@ -202,7 +232,10 @@ def run() -> Section:
         "protobuf and pynvml import but the agent never uses, load only if something uses "
         "them (agent/deferred.py). "
         "The garbage collector is off until the start is done (agent/gcpause.py): the start "
-        "keeps nearly everything it makes, so collections during it found next to nothing.",
+        "keeps nearly everything it makes, so collections during it found next to nothing. "
+        "The rows 'without' start agents, interleaved with the others, with that piece "
+        "undone (bench/bench_plugin.py WITHOUT: the deferred modules imported first; "
+        "gc.disable and gc.freeze made no-ops): what each buys, by the rule at the top.",
         "Restart: measured from the simulated kubelet's RESTARTED event (its sockets wiped, "
         "kubelet.sock about to be served again) to the agent's Register and to the first "
         "device list of the new stream. The agent acts on the inotify event at once: it "
@@ -275,18 +308,22 @@ IMPORT_STAGES = ("the deferral (agent/deferred.py) + logging + argparse",
                  "protobuf + the device-plugin messages", "the agent's own start path")
 
 
-def _start_floor(runs: int = 10) -> tuple[list[float], list[list[float]]]:
-    """Seconds to spawn `python -c pass` and wait for it; and, in fresh interpreters, what
-    importing each stage of the start path costs (the rest of the start is our work)."""
-    spawn, stages = [], []
+def _spawn_pass() -> float:
+    """Seconds to spawn `python -c pass` and wait for it."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.perf_counter() - start
+
+
+def _start_stages(runs: int = 10) -> list[list[float]]:
+    """In fresh interpreters, what importing each stage of the start path costs (the rest of
+    the start is our work)."""
+    stages = []
     for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "pass"], check=True)
-        spawn.append(time.perf_counter() - start)
         out = subprocess.run([sys.executable, "-c", _IMPORT_STAGES], check=True,
                              capture_output=True, text=True).stdout
         stages.append([float(x) for x in out.split()])
-    return spawn, [list(col) for col in zip(*stages)]
+    return [list(col) for col in zip(*stages)]
 
 
 def _next_any(client: SimKubeletClient, kind: int, after: int) -> ctl.Event:
