@@ -1,23 +1,19 @@
 """The allocation journal: the records in memory and their append-only file, kept in step.
 
-Owns: the records in memory, loaded at start from what agent.state.loading finds (a torn tail
-cut, a bad file set aside, the old checkpoint migrated) and rewritten when that needs it,
-appending what Allocate and reconciliation change, the background fdatasync, compaction, and
-what the journal does while the disk fails.
+Owns: the records, loaded at start from what agent.state.loading finds (a torn tail cut, a bad
+file set aside, the old checkpoint migrated); appending what Allocate and reconciliation
+change; the background fdatasync; compaction; what it does while the disk fails.
 
-An Allocate is recorded by `record_allocation` → `_submit` (group commit) → `_write` (the
-`write`). Group commit: concurrent appends share one `write`. The first caller to find no
-write under way becomes the leader: it takes every frame waiting (its own and those queued
-behind the previous write), writes them with one call and wakes the followers it carried. A
-record is in the kernel's hands when its Allocate answers, so it survives any crash of the
-agent; the worker thread fdatasyncs every `sync_interval` seconds (0: the leader syncs before
-anyone returns). See docs/state.md for the contract and the reasoning.
+An Allocate is recorded by `record_allocation` → `_submit` (group commit: the first caller to
+find no write under way leads, writes every frame waiting with one `write` and wakes the
+followers it carried) → `_write`. A record is in the kernel's hands when its Allocate answers,
+so it survives any crash of the agent; the worker fdatasyncs `sync_interval` seconds after the
+first unsynced append (0: the leader syncs before anyone returns); docs/state.md says why.
 
 A failed write is cut back off the file (ftruncate), its callers get a StateError, and nothing
-in memory changes; until a write and a sync succeed again every write is synced at once, so an
-Allocate is answered only when its record is on disk. Compaction (more than twice as many
-entries as live records, and at start) rewrites the live records to a temp file while appends
-go on, adds what was appended meanwhile, and renames it over the journal.
+in memory changes; until a write and a sync succeed again every write is synced at once.
+Compaction (more than twice as many entries as live records, and at start) rewrites the live
+records to a temp file while appends go on, adds what came meanwhile, and renames it over.
 
 Must not import grpc or NVML code, nor decide which records stand (agent.state.reconcile).
 """
@@ -102,16 +98,16 @@ class Journal:
         self._since: list[tuple[bytes, int]] | None = None  # appended during a compaction
         self._compact_wanted = False
         self._stop = False
-        # wakes the worker for a compaction or the stop only: appends never wake it (it
-        # syncs on its own clock, once per interval, whatever the rate of Allocates)
+        # the worker: woken for a compaction, the stop, and the first unsynced append (which
+        # sets _sync_due, an interval later): asleep while all is synced
         self._wake_worker = threading.Event()
+        self._sync_due: float | None = None
         self._worker: threading.Thread | None = None
         # called after each Allocate's records are written (the reconciler's "a pass soon")
         self.on_allocate: Callable[[], None] | None = None
         # the last new record of each (resource, devices): the next one shares its parts
         self._last: dict[tuple[str, tuple[str, ...]], Record] = {}
-        # record IDs: random per process, then counted in hex (unique without a syscall per
-        # record; next() is atomic: concurrent Allocates never share one)
+        # record IDs: random per process, then counted in hex (next() is atomic: unique)
         self._id_prefix = os.urandom(6).hex() + "-"
         self._ids = itertools.count(1)
         self.blocked = ""  # why writes are refused: a bad file could not be moved aside
@@ -434,6 +430,9 @@ class Journal:
             for fn in batch.changes:
                 fn(records)
         finally:
+            if self._sync_due is None and self.sync_interval > 0:
+                self._sync_due = time.monotonic() + self.sync_interval
+                self._wake_worker.set()
             self._size += len(data)
             self._entries += batch.entries
             if self._since is not None:
@@ -513,13 +512,16 @@ class Journal:
 
     def _work(self) -> None:
         while True:
-            self._wake_worker.wait(self.sync_interval or None)
+            due_at = self._sync_due  # (read unlocked: a change sets the event)
+            self._wake_worker.wait(None if due_at is None else max(0.0, due_at - time.monotonic()))
             self._wake_worker.clear()
             with self._lock:
                 if self._stop:
                     return
                 compact, self._compact_wanted = self._compact_wanted, False
-                due = self.sync_interval > 0 and self._size > self._synced
+                due = self._sync_due is not None and time.monotonic() >= self._sync_due
+                if due:  # appends from here on start the next interval
+                    self._sync_due = None
             if due:
                 with self._fd_lock:
                     self._sync()
