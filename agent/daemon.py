@@ -35,10 +35,9 @@ from agent.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
-# The loop wakes for signals, other threads' wakes and what is due (the watchdog, an NVML retry,
-# the MIG check), and at least this often: agent.state tells nobody of its changes (an Allocate
-# recorded, a reconciliation), so the status looks at its version on this tick. With a change
-# callback there, the tick can go and an idle main thread sleep (tests/test_idle.py EXEMPT).
+# The loop sleeps until a signal, another thread's wake or what is due (the watchdog, an NVML
+# retry, the MIG check, a status write asked for "later"). A status that may wait (a scrape
+# still answering, a reconciliation pass) is written at most this long after it was asked for.
 LOOP_TICK_S = 1.0
 FIRST_REGISTRATION_WAIT_S = 2.0  # then the rest of the start goes on while it retries
 # The settings of the Kubernetes events and condition: a reload that changes one restarts them.
@@ -77,6 +76,7 @@ class Daemon:
         self.publisher = status.Publisher(self.notifier)
         self._registrations = 0  # seen in the registrar's status
         self._watchdog_at: float | None = None
+        self._later_at: float | None = None  # a status asked for later is written then
         self._waiter: Waiter | None = None
 
     # -- start ---------------------------------------------------------------------------------
@@ -120,7 +120,8 @@ class Daemon:
             socket_path=cfg.pod_resources_socket, period=cfg.reconcile_interval,
             ended_grace=cfg.ended_pod_grace,
             sync_interval=cfg.journal_sync_interval, connect=PodResourcesClient,
-            devices=self.resources.advertised, environ=self.environ)
+            devices=self.resources.advertised, environ=self.environ,
+            on_change=self.publish_later)
         self.state.start()
         self.resources.set_journal(self.state.journal)
 
@@ -292,15 +293,22 @@ class Daemon:
         self.publisher.dirty = True
         self._waiter.wake()
 
+    def publish_later(self) -> None:
+        """From any thread: status.json has something new to say, which may wait LOOP_TICK_S
+        (written with what comes meanwhile, never while a scrape's own work still runs)."""
+        self.publisher.dirty = True
+        if self._later_at is None:
+            self._later_at = time.monotonic() + LOOP_TICK_S
+            self._waiter.wake()  # (the loop takes up the new due time)
+
     def _loop(self) -> None:
         self.phase = "running"
         self._publish()
         while not self.stop_requested:
             now = time.monotonic()
             due = [t for t in (self.nvml.retry_at, self._watchdog_at,
-                               self.resources.mig_watch.due) if t is not None]
-            timeout = min([LOOP_TICK_S] + [max(0.0, t - now) for t in due])
-            signals = self._waiter.wait(timeout)
+                               self.resources.mig_watch.due, self._later_at) if t is not None]
+            signals = self._waiter.wait(min(max(0.0, t - now) for t in due) if due else None)
             self._on_signals(signals)
             if self.stop_requested:
                 return
@@ -319,7 +327,11 @@ class Daemon:
                                    self.resources.mig_watch.changed(self.resources.gpus, now)):
                 self._remig()
                 acted = True
-            if acted or self.publisher.due(self):  # a tick with nothing new costs no status
+            later = self._later_at  # a wake asks for the status now, publish_later() by then
+            if later is not None and now >= later:
+                self._later_at = later = None
+            if acted or (self.publisher.dirty and later is None):
+                self._later_at = None
                 self._publish()
 
     def _watchdog(self) -> None:

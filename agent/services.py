@@ -97,10 +97,9 @@ class Services:
             self.on_change()
 
     def _scraped(self) -> None:
-        # Marked, not woken: the loop's next tick (at most LOOP_TICK_S away) writes the status.
-        # A wake per scrape would write status.json while the scrape's own work still runs,
+        # Later, not now: a write per scrape would run while the scrape's own work still runs,
         # and that CPU comes out of the Allocates answered at the same time.
-        self.d.publisher.dirty = True
+        self.d.publish_later()
 
     def _start_metrics(self, cfg: Config) -> None:
         if self.metrics is not None:

@@ -120,16 +120,7 @@ class Publisher:
         self.dirty = True  # status.json needs writing (set from any thread)
         self._line = ""
         self._state_written = -1
-        self._state_problem = ""  # the allocation state's problem when the line was made
         self._warned = False
-
-    def due(self, d: Any) -> bool:
-        """Whether publish() may have something new to say: a part marked the status dirty
-        (every wake of the daemon's loop does), or the allocation state changed (it tells
-        nobody: the loop asks on its tick, cheaply, and publishes only then)."""
-        state = d.state
-        return self.dirty or (state is not None and (state.version != self._state_written
-                                                     or state.problem != self._state_problem))
 
     def ready(self, d: Any) -> None:
         """READY=1; status.json is written first, so it is current when systemd hears."""
@@ -138,8 +129,6 @@ class Publisher:
         self.notifier.ready(self._line)
 
     def publish(self, d: Any) -> None:
-        if d.state is not None:
-            self._state_problem = d.state.problem
         line = summary(d)
         changed = line != self._line
         if changed or self.dirty or (d.state is not None

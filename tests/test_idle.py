@@ -10,9 +10,9 @@ wake-up, and a wait for the GIL). A thread on a timer of 5 s or less switches at
 times. A count of wake-ups is a behaviour, not a timing: nothing here depends on how fast the
 machine is.
 
-Not held to it (EXEMPT): gRPC's own threads, and the three of the agent that still wake every
-second, each named with why. Also: the pieces that made the threads sleep (agent.dirwatch's
-kinds and MissingDir, the isolation file's directory waited for, the MIG check skipped on a
+Not held to it (EXEMPT): gRPC's own threads, and the one of the agent that still wakes every
+second (health-events), named with why. Also: the pieces that made the threads sleep
+(agent.dirwatch's kinds and MissingDir, the isolation file's directory waited for, the MIG check skipped on a
 node without a MIG-capable GPU).
 """
 
@@ -42,10 +42,6 @@ EXEMPT = {
     "health-events": "NVML's event wait cannot be woken, so its timeout (agent/health/monitor.py "
                      "WAIT_MS, 1 s) is also how long stop() and re-registering a recovered GPU "
                      "take",
-    "journal": "agent/state/journal.py syncs on a timer (journalSyncInterval, 1 s) even with "
-               "nothing to sync",
-    "main": "the main loop looks at the allocation state every LOOP_TICK_S (agent/daemon.py): "
-            "agent.state has no callback for its changes yet",
 }
 
 

@@ -31,7 +31,8 @@ class AllocationState:
                  sync_interval: float, connect: Callable[[str], Any],
                  devices: Callable[[], Mapping[str, Sequence[Any]] | None],
                  environ: Mapping[str, str] | None = None,
-                 ended_grace: float = DEFAULT_ENDED_POD_GRACE_S):
+                 ended_grace: float = DEFAULT_ENDED_POD_GRACE_S,
+                 on_change: Callable[[], None] = lambda: None):
         try:
             boot = boot_id(environ)
         except AgentError as exc:
@@ -41,6 +42,9 @@ class AllocationState:
                                keyed_by=keyed_by, sync_interval=sync_interval)
         self.reconciler = Reconciler(self.journal, socket_path, connect=connect,
                                      devices=devices, period=period, ended_grace=ended_grace)
+        # what `version` and `problem` show changed: after each reconciliation pass (which
+        # follows Allocates within DEBOUNCE_S) and when the journal starts or stops failing
+        self.reconciler.on_change = self.journal.on_problem = on_change
 
     @property
     def version(self) -> int:

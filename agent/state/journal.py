@@ -47,8 +47,7 @@ __all__ = ["JOURNAL_FILE", "LEGACY_FILE", "Journal", "SetAside", "read_journal",
 
 log = logging.getLogger(__name__)
 
-# Compact when the file holds more than twice as many entries as live records, and at least
-# this many: a small journal is not worth a rewrite.
+# Compact past twice as many entries as live records, and this many: a small one is not worth it
 COMPACT_MIN_ENTRIES = 256
 # New records of the same devices share their GPUs and response with the last one when equal:
 # kept for this many device sets (cleared when full).
@@ -103,8 +102,10 @@ class Journal:
         self._wake_worker = threading.Event()
         self._sync_due: float | None = None
         self._worker: threading.Thread | None = None
-        # called after each Allocate's records are written (the reconciler's "a pass soon")
+        # after each Allocate's records are written (the reconciler's "a pass soon"); when the
+        # journal starts or stops failing (the daemon's status says so at once)
         self.on_allocate: Callable[[], None] | None = None
+        self.on_problem: Callable[[], None] = lambda: None
         # the last new record of each (resource, devices): the next one shares its parts
         self._last: dict[tuple[str, tuple[str, ...]], Record] = {}
         # record IDs: random per process, then counted in hex (next() is atomic: unique)
@@ -280,10 +281,7 @@ class Journal:
             update = []
             for r in outcome.kept:
                 if r.pod is None and r.id not in rekeyed:
-                    # pending: reconcile hands such a record back as it got it, unless it
-                    # re-keyed it (agent.state.reconcile, rules 1-3); thousands of them while
-                    # Allocates come faster than pods start
-                    continue
+                    continue  # pending, handed back as it was (agent.state.reconcile rules 1-3)
                 held = self._records.get(r.id)
                 if held is None:
                     if r.id in adopted:
@@ -489,11 +487,13 @@ class Journal:
         if reason != self.failing:
             log.error("%s; Allocate answers UNAVAILABLE until it works again", reason)
         self.failing = self.last_error = reason
+        self.on_problem()
 
     def _works(self) -> None:
         if self.failing:
             log.info("journal %s is written again", self.path)
             self.failing = ""
+            self.on_problem()
 
     def _sync(self) -> None:
         """fdatasync the journal (the _fd_lock held)."""

@@ -77,6 +77,8 @@ class Reconciler:
         self.ended_grace = ended_grace
         self._missing: Mapping[str, float] = {}
         journal.on_allocate = self.after_allocate
+        # told after every pass, from its thread (the daemon publishes the status then)
+        self.on_change: Callable[[], None] = lambda: None
 
     @property
     def socket_path(self) -> str:
@@ -152,6 +154,7 @@ class Reconciler:
             except Exception:  # the loop boundary: a bug; show it and keep reconciling
                 log.exception("reconciliation failed unexpectedly")
                 outcome = None
+            self.on_change()  # (every pass: the journal's Allocates since the last one too)
             if outcome is None or not outcome.listed:
                 delay = min(self.period, UNAVAILABLE_RETRY_S) if self.period else \
                     UNAVAILABLE_RETRY_S
