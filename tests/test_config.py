@@ -1034,7 +1034,8 @@ VALUES = {
     "node_name": st.sampled_from(("", "node-1", "gpu.rack-3.example")),
     "fault_events": st.booleans(),
     "node_condition": st.booleans(),
-    "config_dir": st.one_of(st.just(""), ABS_PATH),
+    # a directory that is not there: "/" or "/etc" would hold files, which named configs choose
+    "config_dir": st.one_of(st.just(""), ABS_PATH.map(lambda p: "/nonexistent" + p.rstrip("/"))),
     "node_label": st.sampled_from(("nvidia.com/device-plugin.config", "example.com/gpu")),
     "default_config": st.sampled_from(("", "a100", "h100_80gb.v2")),
     "fallback_strategies": st.permutations(("named", "single", "empty")).flatmap(
