@@ -5,8 +5,8 @@ thread it starts named as the process: "python").
 Owns: `install()`, which gives each running thread its Python name as its kernel name (cut to
 the kernel's 15 bytes) and has every thread started later do the same as it begins, through
 threading.setprofile with a hook that removes itself at once: nothing stays on any thread's
-calls. A name Python made up, "Thread-3 (_serve)", is written as the function it runs,
-"_serve". The main thread keeps the process's name. Must not import anything of `agent`.
+calls. A name Python made up, "Thread-3 (_serve)" (or "Thread-3" before Python 3.10), is
+written as the function it runs, "_serve". The main thread keeps the process's name. Must not import anything of `agent`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 COMM_BYTES = 15  # TASK_COMM_LEN less its NUL
-_MADE_UP = re.compile(r"Thread-\d+ \((?P<target>.+)\)")
+_MADE_UP = re.compile(r"Thread-\d+( \((?P<target>.+)\))?")
 
 
 def install() -> None:
@@ -28,10 +28,10 @@ def install() -> None:
     threading.setprofile(_first_call)
 
 
-def kernel_name(name: str) -> str:
-    """What thread name `name` becomes in /proc/PID/task/TID/comm."""
+def kernel_name(name: str, target: str = "") -> str:
+    """What thread name `name` (running function `target`) becomes in /proc/PID/task/TID/comm."""
     made_up = _MADE_UP.fullmatch(name)
-    text = made_up["target"] if made_up else name
+    text = (made_up["target"] or target or name) if made_up else name
     return text.encode(errors="replace")[:COMM_BYTES].decode(errors="ignore")
 
 
@@ -46,6 +46,7 @@ def _name(thread: threading.Thread) -> None:
         return
     try:
         with open(f"/proc/self/task/{thread.native_id}/comm", "w") as f:
-            f.write(kernel_name(thread.name))
+            f.write(kernel_name(thread.name, getattr(getattr(thread, "_target", None),
+                                                     "__name__", "")))
     except OSError:
         pass  # not Linux, or the thread is gone: the name is for people, nothing depends on it

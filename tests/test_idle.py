@@ -169,5 +169,7 @@ def test_the_mig_check_sleeps_on_a_node_without_a_mig_capable_gpu():
 
 def test_threads_are_named_in_the_kernel():
     assert threadnames.kernel_name("Thread-3 (_serve)") == "_serve"
+    assert threadnames.kernel_name("Thread-3", "_serve") == "_serve"  # Python 3.9's name
+    assert threadnames.kernel_name("Thread-3") == "Thread-3"
     assert threadnames.kernel_name("health-isolation") == "health-isolatio"
     assert threadnames.kernel_name("plugin_0") == "plugin_0"
