@@ -127,12 +127,9 @@ class ApiClient:
                 content_type: str = "application/json") -> Any:
         """The decoded JSON answer; KubeApiError when unreachable or refused."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
+        headers = self._headers()
         if data is not None:
             headers["Content-Type"] = content_type
-        token = self._token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         with self._lock:
             try:
                 conn = self._conn or self._connect()
@@ -163,10 +160,7 @@ class ApiClient:
         """A watch request (`path` with `watch=1`) on a connection of its own, its answer read
         line by line as the API server sends the events (`timeout`: the longest silence
         waited for). KubeApiError when unreachable or refused."""
-        headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
-        token = self._token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        headers = self._headers()
         conn = self._connect()
         conn.timeout = timeout
         try:
@@ -191,6 +185,14 @@ class ApiClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def _headers(self) -> dict[str, str]:
+        """The headers of every request: JSON, and the bearer token when there is one."""
+        headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
+        token = self._token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return headers
 
     def _token(self) -> str:
         if self.config.token_file:
