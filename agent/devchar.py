@@ -32,10 +32,9 @@ own numbers always win), so that on such a tree the agent and `gpu-agent doctor`
 the nodes with `list_nodes`) see the same nodes.
 
 Owns: `DevCharLinks` (one pass, the watch thread, its status), `list_nodes`, and `from_config`.
-Must not
-replace, remove or change any existing entry, create device nodes, load modules, or stop the
-agent: every error is logged once per change and shown in `status()`. Imports nothing of
-`agent` but dirwatch (errors and constants would be allowed).
+Must not replace, remove or change any existing entry, create device nodes, load modules, or
+stop the agent: every error is logged once per change and shown in `status()`. Imports nothing
+of `agent` but dirwatch (errors and constants would be allowed).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from agent.config.file import (
     read_file,
 )
 from agent.config.kinds import BoolKind, ChoiceListKind
-from agent.config.named import NONE, Choice, choose, named_configs
+from agent.config.named import NONE, Choice, choose
 from agent.config.options import (
     OPTIONS,
     OPTIONS_BY_KEY,
@@ -243,8 +243,9 @@ def load_config(args: Any = None, environ: Mapping[str, str] | None = None,
 
 
 def has_named_configs(cfg: Config) -> bool:
-    """Whether the named-config directory holds configs now (a label then chooses one)."""
-    return bool(cfg.config_dir) and bool(named_configs(cfg.config_dir))
+    """Whether the named-config directory held configs when `cfg` was loaded (a label then
+    chooses one): its choice says so, without listing the directory again."""
+    return cfg.choice != NONE
 
 
 def check_config_file(path: str) -> Config:
