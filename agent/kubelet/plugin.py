@@ -127,7 +127,7 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
                                                 self._decoded(raw, context).container_requests])
                 data = allocate_response(a.response for a in allocations).SerializeToString()
                 lines = [", ".join(d.describe() for d in a.devices) for a in allocations]
-                if settings[3] and len(raw) <= REQUEST_KEPT_BYTES:
+                if settings.repeats and len(raw) <= REQUEST_KEPT_BYTES:
                     if len(self._kept) >= ANSWERS_KEPT:
                         self._kept.clear()
                     self._kept[raw] = (settings, allocations, data, lines)

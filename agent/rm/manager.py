@@ -53,6 +53,15 @@ class Allocation(NamedTuple):
     response: ContainerResponse
 
 
+class Settings(NamedTuple):
+    """What Allocate reads of a manager, replaced whole by reconfigure (see `settings`)."""
+
+    options: ResponseOptions
+    by_id: dict  # device ID -> Device
+    one_replica: bool  # one replica per container (failRequestsGreaterThanOne)
+    repeats: bool  # the same request may get the same answer (`_settings`)
+
+
 class PreferredRequest(NamedTuple):
     """One container's GetPreferredAllocation request, as plain data."""
 
@@ -85,10 +94,9 @@ class ResourceManager:
         # or when it lacks one of these GPUs, a NUMA-only model of these devices.
         self.topology = _fitting(topology, self.devices)
         self._health = {d.id: (True, "") for d in self.devices}
-        # (options, devices by ID, one replica per container: failRequestsGreaterThanOne,
-        # whether the same request gets the same answer): replaced whole by reconfigure, read
-        # once per Allocate, so that an Allocate during a reload gets the old settings or the
-        # new ones, never a mix; a caller that keeps answers keeps them while it is the same
+        # replaced whole by reconfigure, read once per Allocate, so that an Allocate during a
+        # reload gets the old settings or the new ones, never a mix; a caller that keeps
+        # answers keeps them while it is the same object
         self.settings = _settings(options, self.by_id, one_replica)
         self._cond = threading.Condition()
         self._version = 1
@@ -225,12 +233,12 @@ class ResourceManager:
                                      one_gpu=self.one_gpu) for r in requests]
 
 
-def _settings(options: ResponseOptions, by_id: dict, one_replica: bool) -> tuple:
+def _settings(options: ResponseOptions, by_id: dict, one_replica: bool) -> Settings:
     """A manager's `settings`. An answer may be given again to the same request unless each
     must be new: a CDI annotation key is unique per Allocate, and passDeviceSpecs passes the
     control nodes that exist now (nvidia-uvm appears on first use)."""
     repeats = not options.pass_device_specs and "cdi-annotations" not in options.list_strategies
-    return (options, by_id, one_replica, repeats)
+    return Settings(options, by_id, one_replica, repeats)
 
 
 def _fitting(topology: TopologyModel | None, devices: Sequence[Device]) -> TopologyModel:
