@@ -42,12 +42,16 @@ venv: $(STAMP)
 # on .venv's sys.path with a plain .pth line, so the tree is what runs (`.venv/bin/python -m
 # agent` is `gpu-agent`). Not `pip install -e`: its import hook costs every Python process
 # (each agent the tests start, the start-up bench) about 15 ms that an installed agent never
-# pays, and setuptools' hook-free mode is being removed.
+# pays, and setuptools' hook-free mode is being removed. Then byte-compiles the tree, as the
+# packages are (packaging/install-tree): where PYTHONDONTWRITEBYTECODE is set (CI machines,
+# containers) no agent process would write its .pyc, and each one the tests and the benches
+# start would compile every module it imports again (about a third of its start).
 SITE = $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 build: $(STAMP)
 	@rm -f $(SITE)/__editable__*gpu_agent* $(SITE)/__editable__.gpu_agent-*.pth
 	@echo "$(CURDIR)" > $(SITE)/gpu-agent-tree.pth
 	$(VPY) setup.py -q build_ext --inplace
+	$(VPY) -m compileall -q -j0 agent bench tests
 
 lint: $(STAMP)
 	$(VPY) -m ruff check .
@@ -143,17 +147,15 @@ e2e-cluster: build e2e-build
 	@scripts/apt-install $(APT_E2E)
 	$(VPY) -m tests.e2e.cluster up --k8s $(firstword $(E2E_K8S))
 
-# Byte-compiled first, as the RPM installs it (start-up figures would otherwise include
-# compiling every module when PYTHONDONTWRITEBYTECODE is set). Its real-kubelet row runs on
-# the e2e cluster (bench/bench_e2e.py), hence the Go build.
+# Byte-compiled by build, as the packages install it (start-up figures would otherwise include
+# compiling every module). Its real-kubelet row runs on the e2e cluster (bench/bench_e2e.py),
+# hence the Go build.
 bench: build e2e-build
 	@[ "$$(id -u)" -ne 0 ] || scripts/apt-install $(APT_E2E)
-	$(VPY) -m compileall -q agent >/dev/null
 	$(VPY) -m bench
 
 # 10 minutes of pods, XIDs, kubelet restarts and SIGHUPs; its section of docs/benchmarks.md
 soak: build
-	$(VPY) -m compileall -q agent >/dev/null
 	$(VPY) -m bench soak
 
 clean:
