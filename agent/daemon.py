@@ -254,11 +254,12 @@ class Daemon:
 
     def _watch_label(self, cfg: Config) -> None:
         """Watch the node label when named configs and a kubeconfig are there; the label is
-        read now (the start waits for it briefly: at most nodelabel.READ_TIMEOUT_S)."""
-        from agent.kubeapi.faults import node_name
-
+        read now (the start waits for it briefly: at most nodelabel.READ_TIMEOUT_S). The
+        API client loads only then: most nodes have no named configs."""
         wanted = None
         if cfg.kubeconfig and has_named_configs(cfg):
+            from agent.kubeapi.faults import node_name
+
             wanted = (cfg.kubeconfig, node_name(cfg.node_name), cfg.node_label)
         watch = self.label_watch
         if watch is not None and (watch.kubeconfig, watch.node, watch.label) == wanted:

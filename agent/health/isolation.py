@@ -112,8 +112,12 @@ def read(path: str) -> Isolation:
 
 class IsolationWatch:
     """A thread that calls on_change(isolation, None) after each change of the file at `path`,
-    or on_change(None, error) when it is malformed. `start()` reads it once first, in the
-    caller's thread, so the first set is in force before start() returns."""
+    or on_change(None, error) when it is malformed (once per change: a rewrite that changes
+    nothing calls nothing). `start()` reads it once first, in the caller's thread, so the
+    first set is in force before start() returns; the thread then watches the directory and
+    reads the file again (what changed in between is not missed). The watch is made there,
+    not in start(): the agent's start waits on start(), and pyinotify's import and its search
+    for libc (`ldconfig -p`) are about 10 ms that registering with kubelet need not wait for."""
 
     def __init__(self, path: str, on_change: Callable[[Isolation | None, str | None], None]):
         self.path = path
@@ -125,20 +129,21 @@ class IsolationWatch:
         self._missing: MissingDir | None = None  # the directory's appearance, while it is not there
         self._thread: threading.Thread | None = None
         self._missing_logged = False
+        self._last: tuple[Isolation | None, str | None] | None = None  # as on_change got it
 
     def start(self) -> None:
-        self._watch()
         self.reload()
         self._thread = threading.Thread(target=self._run, name="health-isolation", daemon=True)
         self._thread.start()
 
     def reload(self) -> None:
         try:
-            isolation = read(self.path)
+            now: tuple[Isolation | None, str | None] = (read(self.path), None)
         except IsolationError as exc:
-            self.on_change(None, str(exc))
-            return
-        self.on_change(isolation, None)
+            now = (None, str(exc))
+        if now != self._last:
+            self._last = now
+            self.on_change(*now)
 
     def _watch(self) -> bool:
         """Watch the file's directory; True once it is watched."""
@@ -188,8 +193,13 @@ class IsolationWatch:
         self._stop_waiting()
 
     def _run(self) -> None:
+        first = True
         while True:
             try:
+                if first:  # the watch, made here (see the class), then the file read again
+                    first = False
+                    if self._watch():
+                        self.reload()
                 if self._step():
                     return
             except Exception:  # the loop boundary: a dead watch would ignore every edit
