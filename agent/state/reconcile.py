@@ -236,7 +236,9 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
     live_pods: set[tuple[str, str]] | None = None
     # newest first: when a device set was allocated twice, the latest Allocate is the one the
     # running container got
-    for r in sorted(current, key=by_age, reverse=True):
+    # (ties are judged in reverse and kept in the order they came: a second pass over the
+    # kept records finds them in the same order)
+    for r in reversed(sorted(current, key=by_age)):
         if r.id in protected:  # newer than the listing: the next pass judges it
             kept.append(r)
             pending += r.pod is None
@@ -300,7 +302,7 @@ def _reconcile(records: Sequence[Record], listing: Sequence[PodDevices] | None,
             id=adopted_id(e), resource=e.resource, devices=e.device_ids,
             gpus=tuple(GpuRef(known[d].gpu_uuid, int(known[d].gpu_index)) for d in e.device_ids),
             response=None, time=now, boot=boot, pod=e.pod, confirmed=now))
-    kept.reverse()  # oldest first, as they were in (each kept record has its time and ID)
+    kept.reverse()  # oldest first, as they came
     if adopted:
         kept += adopted
         kept.sort(key=by_age)  # two runs already in order: close to linear
