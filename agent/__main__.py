@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         from agent.deferred import defer_unused_modules
 
         defer_unused_modules()  # before anything imports grpc
+        from agent import arenas
+
+        arenas.limit()  # before any thread starts
         gc.disable()  # the start keeps what it makes: agent.daemon resumes (agent.gcpause)
     parser = build_parser(only="run" if command == "run" else None)
     args = parser.parse_args(argv)

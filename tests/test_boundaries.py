@@ -26,7 +26,7 @@ RANK = {
     "_fast": 5,
     "config": 6, "_proto": 6, "host": 6, "systemd": 6, "errors": 7, "constants": 7, "fileio": 7, "dirwatch": 7, "signals": 7,
     "devchar": 7, "logs": 7, "deferred": 7, "latency": 7, "gcpause": 7,
-    "threadnames": 7,
+    "threadnames": 7, "arenas": 7,
 }
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
@@ -46,6 +46,7 @@ FORBIDDEN = {
     "latency": set(RANK) - {"latency"},
     "gcpause": set(RANK) - {"gcpause"},
     "threadnames": set(RANK) - {"threadnames"},
+    "arenas": set(RANK) - {"arenas"},
     "_proto": set(RANK) - {"_proto"},
     "config": set(RANK) - {"config", "errors", "constants"},
     "host": set(RANK) - {"host", "errors"},

@@ -281,6 +281,41 @@ def test_bad_allocate_requests_are_refused_and_the_agent_keeps_serving(node, con
     assert res.connected and res.registrations == 1
 
 
+# -- memory ---------------------------------------------------------------------------------
+
+
+def _thread_heaps(pid: int) -> int:
+    """glibc's per-thread malloc arenas in process `pid`: anonymous mappings at a 64 MiB
+    boundary, read-write, with the reserved rest (---p) after them making 64 MiB in all."""
+    regions = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 5:  # no path: anonymous
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                regions.append((start, end, fields[1]))
+    reserved = {start: end for start, end, perm in regions if perm == "---p"}
+    size = 64 << 20
+    return sum(1 for start, end, perm in regions
+               if perm == "rw-p" and start % size == 0 and reserved.get(end, end) - start == size)
+
+
+def test_the_agent_keeps_one_malloc_arena_unless_the_operator_sets_malloc_arena_max(node):
+    """agent/arenas.py: glibc's arenas held to one (less memory after many Allocates,
+    docs/benchmarks.md); an operator's MALLOC_ARENA_MAX is glibc's to read and is left alone."""
+    agent = node.agent()
+    agent.wait_registered()
+    for _ in range(20):
+        agent.allocate([UUIDS[0]])
+    assert _thread_heaps(agent.pid) == 0
+    agent.stop()
+    chosen = node.agent(env=node.env(MALLOC_ARENA_MAX="4"))
+    chosen.wait_registered()
+    for _ in range(20):
+        chosen.allocate([UUIDS[0]])
+    assert 1 <= _thread_heaps(chosen.pid) <= 3  # glibc's own arena is the fourth
+
+
 # -- stopping ------------------------------------------------------------------------------
 
 
