@@ -160,6 +160,8 @@ class Daemon:
             self.registrar.start()  # once: a running registrar ignores it
             if first:  # at start, the registration goes first: nothing else holds the GIL
                 self.registrar.wait_synced(generation, FIRST_REGISTRATION_WAIT_S)
+        if self.health is not None:
+            self.health.watch_isolation()  # (at start, after the first registration)
         self.cdi = self.resources.check_cdi(self.cfg)
         self.services.devices_changed(self.cfg)
         if not self.cfg.plugin_socket_dir:
@@ -175,7 +177,9 @@ class Daemon:
             devices=self.resources.devices, sink=self.resources.set_health,
             on_change=self._wake, current=self.resources.health(), outages=self.mps.outages,
             on_transition=self._on_transition, holders=self.held_by)
-        self.health.start()  # its event set is registered before the old one stops
+        # its event set is registered before the old one stops; at start the isolation file
+        # is read now and watched once registered (_advertise)
+        self.health.start(watch_isolation=self.registrar is not None)
         if old is not None:
             old.stop(wait=False)
         if self.faults is not None:

@@ -139,6 +139,7 @@ def test_the_isolation_watch_sleeps_until_its_directory_appears(tmp_path):
 
     watch = IsolationWatch(str(path), on_change)
     watch.start()
+    watch.watch()
     try:
         assert seen == [((frozenset(), frozenset()), None)]  # nothing isolated meanwhile
         before = _asleep(watch._thread)

@@ -113,11 +113,12 @@ def read(path: str) -> Isolation:
 class IsolationWatch:
     """A thread that calls on_change(isolation, None) after each change of the file at `path`,
     or on_change(None, error) when it is malformed (once per change: a rewrite that changes
-    nothing calls nothing). `start()` reads it once first, in the caller's thread, so the
-    first set is in force before start() returns; the thread then watches the directory and
-    reads the file again (what changed in between is not missed). The watch is made there,
-    not in start(): the agent's start waits on start(), and pyinotify's import and its search
-    for libc (`ldconfig -p`) are about 10 ms that registering with kubelet need not wait for."""
+    nothing calls nothing). `start()` reads it once, in the caller's thread, so the first set
+    is in force before start() returns; `watch()` starts the thread, which watches the
+    directory and reads the file again (what changed in between is not missed). Two steps:
+    the agent's start reads before its first registration and watches after it, since
+    pyinotify's import and its search for libc (`ldconfig -p`, a process) would take the CPU
+    from the registration for about 10 ms."""
 
     def __init__(self, path: str, on_change: Callable[[Isolation | None, str | None], None]):
         self.path = path
@@ -132,9 +133,15 @@ class IsolationWatch:
         self._last: tuple[Isolation | None, str | None] | None = None  # as on_change got it
 
     def start(self) -> None:
+        """Read the file now, in this thread."""
         self.reload()
-        self._thread = threading.Thread(target=self._run, name="health-isolation", daemon=True)
-        self._thread.start()
+
+    def watch(self) -> None:
+        """Follow the file from now on (its thread); once started, a call does nothing."""
+        if self._thread is None and self._stop_r >= 0:
+            self._thread = threading.Thread(target=self._run, name="health-isolation",
+                                            daemon=True)
+            self._thread.start()
 
     def reload(self) -> None:
         try:

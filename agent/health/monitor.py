@@ -169,7 +169,10 @@ class HealthMonitor:
 
     # -- life ------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, watch_isolation: bool = True) -> None:
+        """Apply the recorded faults and the isolation file, then watch NVML's events;
+        without `watch_isolation` the file is read now and followed from `watch_isolation()`
+        on (the agent's start: after its first registration)."""
         try:
             self._boot = boot_id()
         except AgentError as exc:
@@ -182,6 +185,8 @@ class HealthMonitor:
             if self.isolation_file:
                 self._watch = IsolationWatch(self.isolation_file, self._on_isolation)
                 self._watch.start()
+                if watch_isolation:
+                    self._watch.watch()
             self._apply("")
             log.info("health: %s; implementation %s; recovery quiet period %g s; isolation "
                      "file %s", self.policy.summary(), self.implementation, self.quiet_s,
@@ -194,6 +199,11 @@ class HealthMonitor:
         self._recovery = threading.Thread(target=self._run_recovery, name="health-recovery",
                                           daemon=True)
         self._recovery.start()
+
+    def watch_isolation(self) -> None:
+        """Follow the isolation file from now on (see start)."""
+        if self._watch is not None:
+            self._watch.watch()
 
     def stop(self, wait: bool = True) -> None:
         """Stop the loop (within one wait, WAIT_MS) and the isolation watch; close the set.
