@@ -44,6 +44,25 @@ EXTRA_MODULES = {
             ("KUBELET_SOCKET_PATH", "DEVICE_PLUGIN_PATH + KUBELET_SOCKET", None),
         ],
     ),
+    "pluginregistration/v1/constants.py": (
+        "Plugin-registration API v1: the plugin types kubelet's plugin watcher knows.",
+        "k8s.io/kubelet/pkg/apis/pluginregistration/v1/constants.go",
+        [
+            ("DRA_PLUGIN", '"DRAPlugin"', "PluginInfo.type of a DRA driver."),
+            ("CSI_PLUGIN", '"CSIPlugin"', None),
+            ("DEVICE_PLUGIN", '"DevicePlugin"', None),
+        ],
+    ),
+    "dra/v1/constants.py": (
+        "DRA plugin API v1: the name of its service in a registration's supported_versions.",
+        "k8s.io/kubelet/pkg/apis/dra/v1/types.go",
+        [("DRA_PLUGIN_SERVICE", '"v1.DRAPlugin"', None)],
+    ),
+    "dra/v1beta1/constants.py": (
+        "DRA plugin API v1beta1: the name of its service in a registration's supported_versions.",
+        "k8s.io/kubelet/pkg/apis/dra/v1beta1/types.go",
+        [("DRA_PLUGIN_SERVICE", '"v1beta1.DRAPlugin"', None)],
+    ),
     "podresources/v1/constants.py": (
         "Pod-resources API v1: where kubelet serves it by default.",
         None,

@@ -19,6 +19,15 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.deviceplugin.v1beta1 import constants as dp_constants
+from agent._proto.dra.v1 import api_pb2 as dra
+from agent._proto.dra.v1 import api_pb2_grpc as dra_grpc
+from agent._proto.dra.v1 import constants as dra_constants
+from agent._proto.dra.v1beta1 import api_pb2 as dra_beta
+from agent._proto.dra.v1beta1 import api_pb2_grpc as dra_beta_grpc
+from agent._proto.dra.v1beta1 import constants as dra_beta_constants
+from agent._proto.pluginregistration.v1 import api_pb2 as reg
+from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent._proto.pluginregistration.v1 import constants as reg_constants
 from agent._proto.podresources.v1 import api_pb2 as pr
 from agent._proto.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent._proto.simkubelet.v1 import control_pb2 as ctl
@@ -26,7 +35,7 @@ from agent._proto.simkubelet.v1 import control_pb2_grpc as ctl_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "agent" / "_proto"
-API_MODULES = [dp, pr, ctl]
+API_MODULES = [dp, pr, ctl, reg, dra, dra_beta]
 
 
 def _pinned_generator() -> str:
@@ -98,7 +107,9 @@ def test_all_apis_load_into_one_fresh_pool():
 def test_all_apis_import_together_in_a_fresh_interpreter():
     code = (
         "import agent._proto.deviceplugin.v1beta1.api_pb2_grpc, "
-        "agent._proto.podresources.v1.api_pb2_grpc, agent._proto.simkubelet.v1.control_pb2_grpc"
+        "agent._proto.podresources.v1.api_pb2_grpc, agent._proto.simkubelet.v1.control_pb2_grpc, "
+        "agent._proto.pluginregistration.v1.api_pb2_grpc, agent._proto.dra.v1.api_pb2_grpc, "
+        "agent._proto.dra.v1beta1.api_pb2_grpc"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
@@ -144,6 +155,20 @@ _KUBELET_SERVICES = [
          "AllocatableResourcesResponse"),
         ("Get", "unary_unary", "GetPodResourcesRequest", "GetPodResourcesResponse"),
     ]),
+    # k8s.io/kubelet@v0.37.2 pkg/apis/pluginregistration/v1/api.proto: package
+    # "pluginregistration" (not ".v1"), which names the service on the wire
+    (reg_grpc.RegistrationStub, "pluginregistration.Registration", [
+        ("GetInfo", "unary_unary", "InfoRequest", "PluginInfo"),
+        ("NotifyRegistrationStatus", "unary_unary", "RegistrationStatus",
+         "RegistrationStatusResponse"),
+    ]),
+    # k8s.io/kubelet@v0.37.2 pkg/apis/dra/v1/api.proto and dra/v1beta1/api.proto
+    *[(stub, f"k8s.io.kubelet.pkg.apis.dra.{v}.DRAPlugin", [
+        ("NodePrepareResources", "unary_unary", "NodePrepareResourcesRequest",
+         "NodePrepareResourcesResponse"),
+        ("NodeUnprepareResources", "unary_unary", "NodeUnprepareResourcesRequest",
+         "NodeUnprepareResourcesResponse"),
+    ]) for stub, v in ((dra_grpc.DRAPluginStub, "v1"), (dra_beta_grpc.DRAPluginStub, "v1beta1"))],
 ]
 _SERVICES = _KUBELET_SERVICES + [
     (ctl_grpc.SimKubeletControlStub, "simkubelet.v1.SimKubeletControl", [
@@ -208,6 +233,28 @@ _FIELDS = [
     ("v1.GetPodResourcesRequest", "pod_name", 1, _T.TYPE_STRING, False),
     ("v1.GetPodResourcesRequest", "pod_namespace", 2, _T.TYPE_STRING, False),
     ("v1.GetPodResourcesResponse", "pod_resources", 1, _T.TYPE_MESSAGE, False),
+    ("pluginregistration.PluginInfo", "type", 1, _T.TYPE_STRING, False),
+    ("pluginregistration.PluginInfo", "endpoint", 3, _T.TYPE_STRING, False),
+    ("pluginregistration.PluginInfo", "supported_versions", 4, _T.TYPE_STRING, True),
+    ("pluginregistration.RegistrationStatus", "plugin_registered", 1, _T.TYPE_BOOL, False),
+    ("pluginregistration.RegistrationStatus", "error", 2, _T.TYPE_STRING, False),
+    *[(f"k8s.io.kubelet.pkg.apis.dra.{v}.{m}", f, n, t, r) for v in ("v1", "v1beta1")
+      for m, f, n, t, r in (
+          ("NodePrepareResourcesRequest", "claims", 1, _T.TYPE_MESSAGE, True),
+          ("NodePrepareResourcesResponse", "claims", 1, _T.TYPE_MESSAGE, True),  # a map
+          ("NodePrepareResourceResponse", "devices", 1, _T.TYPE_MESSAGE, True),
+          ("NodePrepareResourceResponse", "error", 2, _T.TYPE_STRING, False),
+          ("Device", "request_names", 1, _T.TYPE_STRING, True),
+          ("Device", "pool_name", 2, _T.TYPE_STRING, False),
+          ("Device", "device_name", 3, _T.TYPE_STRING, False),
+          ("Device", "cdi_device_ids", 4, _T.TYPE_STRING, True),
+          ("NodeUnprepareResourceResponse", "error", 1, _T.TYPE_STRING, False),
+          ("Claim", "namespace", 1, _T.TYPE_STRING, False),
+          ("Claim", "uid", 2, _T.TYPE_STRING, False),
+          ("Claim", "name", 3, _T.TYPE_STRING, False),
+      )],
+    # consumable capacity (Kubernetes 1.36+): v1 only
+    ("k8s.io.kubelet.pkg.apis.dra.v1.Device", "share_id", 5, _T.TYPE_STRING, False),
 ]
 
 
@@ -241,3 +288,25 @@ def test_device_plugin_constants():
     assert (dp_constants.VERSION, dp_constants.HEALTHY, dp_constants.UNHEALTHY) == (
         "v1beta1", "Healthy", "Unhealthy")
     assert dp_constants.KUBELET_SOCKET_PATH == "/var/lib/kubelet/device-plugins/kubelet.sock"
+
+
+def test_dra_share_id_is_optional_in_v1_and_absent_in_v1beta1():
+    assert dra.Device.DESCRIPTOR.fields_by_name["share_id"].has_presence
+    assert "share_id" not in dra_beta.Device.DESCRIPTOR.fields_by_name
+
+
+def test_plugin_registration_and_dra_constants():
+    """k8s.io/kubelet@v0.37.2 pluginregistration/v1/constants.go, dra/v1/types.go,
+    dra/v1beta1/types.go: the names kubelet's plugin watcher and DRA manager compare."""
+    assert reg_constants.DRA_PLUGIN == "DRAPlugin"
+    assert (dra_constants.DRA_PLUGIN_SERVICE, dra_beta_constants.DRA_PLUGIN_SERVICE) == (
+        "v1.DRAPlugin", "v1beta1.DRAPlugin")
+
+
+def test_dra_prepare_response_wire_bytes_are_kubelets():
+    """A map entry (key 1, value 2) of a response with one device, as Go's encoder writes it."""
+    msg = dra.NodePrepareResourcesResponse(claims={"u": dra.NodePrepareResourceResponse(
+        devices=[dra.Device(pool_name="n", device_name="gpu-0", cdi_device_ids=["a/b=c"])])})
+    device = b"\x12\x01n" b"\x1a\x05gpu-0" b"\x22\x05a/b=c"
+    entry = b"\x0a\x01u" + b"\x12" + bytes([len(device) + 2]) + b"\x0a" + bytes([len(device)]) + device
+    assert msg.SerializeToString() == b"\x0a" + bytes([len(entry)]) + entry
