@@ -10,6 +10,7 @@ call returned) with a long bound.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -150,6 +151,33 @@ def test_a_call_that_returned_keeps_nothing_of_its_result():
         del batch, future
     gc.collect()
     assert sum(ref() is not None for ref in alive) == 0
+
+
+def test_a_returned_call_is_freed_without_the_cyclic_collector():
+    """A guarded call once formed a cycle (the call holds its future, the future its done
+    callback, the callback the call): each NVML call left garbage that only the collector's
+    full passes, rare in an agent holding thousands of records, freed."""
+    import gc
+    import weakref
+
+    guard = Guard(budget_s=60.0)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        futures_made = []
+        for gpu in range(8):
+            future = guard.submit(gpu, "read", lambda: 1)
+            assert future.result(WAIT) == 1
+            futures_made.append(weakref.ref(future))
+        del future
+        # the guard's own callback runs on the worker just after result() returns here
+        deadline = time.monotonic() + WAIT
+        while any(ref() is not None for ref in futures_made):
+            assert time.monotonic() < deadline, "calls kept alive by a reference cycle"
+            time.sleep(0.01)
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_a_call_that_fails_in_time_raises_its_own_error_and_leaves_the_gpu_answering(guard):

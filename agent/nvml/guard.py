@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Hashable
 from concurrent import futures
 from typing import Any, Callable
@@ -99,7 +100,7 @@ class _Turn:
 
 
 class _Call:
-    __slots__ = ("gpu", "what", "started", "deadline", "future", "late", "done")
+    __slots__ = ("gpu", "what", "started", "deadline", "future", "late", "done", "__weakref__")
 
     def __init__(self, gpu: Hashable, what: str, started: float, deadline: float,
                  future: futures.Future):
@@ -216,7 +217,14 @@ class Guard:
                 self._watcher.start()
             elif len(self._deadlines) == 1:  # the watcher sleeps for want of calls
                 self._cond.notify()
-        c.future.add_done_callback(lambda _, c=c: self._done(c))
+        # the callback holds the call weakly: the call holds the future, which holds its
+        # callbacks, and a cycle per call would wait for the collector's full passes
+        c.future.add_done_callback(lambda _, call=weakref.ref(c): self._done_ref(call))
+
+    def _done_ref(self, call: weakref.ref) -> None:
+        c = call()
+        if c is not None:  # else no heap or list holds it: nothing to take out
+            self._done(c)
 
     def _take(self, t: _Turn) -> bool:
         with self._cond:
