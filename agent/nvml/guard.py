@@ -219,7 +219,8 @@ class Guard:
                 self._cond.notify()
         # the callback holds the call weakly: the call holds the future, which holds its
         # callbacks, and a cycle per call would wait for the collector's full passes
-        c.future.add_done_callback(lambda _, call=weakref.ref(c): self._done_ref(call))
+        call = weakref.ref(c)
+        c.future.add_done_callback(lambda _: self._done_ref(call))
 
     def _done_ref(self, call: weakref.ref) -> None:
         c = call()
