@@ -200,6 +200,49 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, 
     DONE(NVML_SUCCESS);
 }
 
+/* The architecture of a GPU, from its compute capability (the chip family decides both):
+ * nvmlDeviceArchitecture_t's values, as pynvml names them (NVML_DEVICE_ARCH_*). */
+static unsigned int sim_architecture(int major, int minor)
+{
+    if (major == 3)
+        return 2; /* KEPLER */
+    if (major == 5)
+        return 3; /* MAXWELL */
+    if (major == 6)
+        return 4; /* PASCAL */
+    if (major == 7)
+        return minor >= 5 ? 6 : 5; /* TURING (7.5) : VOLTA (7.0, 7.2) */
+    if (major == 8)
+        return minor == 9 ? 8 : 7; /* ADA (8.9) : AMPERE (8.0, 8.6, 8.7) */
+    if (major == 9)
+        return 9; /* HOPPER */
+    if (major == 10 || major == 12)
+        return 10; /* BLACKWELL */
+    return 0xffffffff; /* NVML_DEVICE_ARCH_UNKNOWN */
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch)
+{
+    ENTER(ANY_DEVICE, device, arch != NULL);
+    *arch = sim_architecture(g->cc_major, g->cc_minor);
+    DONE(NVML_SUCCESS);
+}
+
+/* The brand (nvmlBrandType_t): NVML_BRAND_TESLA (2) for the "Tesla ..." names the driver
+ * gives data-centre GPUs before Ampere, NVML_BRAND_NVIDIA (14) for the "NVIDIA ..." names of
+ * A100, H100 and later; NVML_BRAND_GEFORCE (5) for "... GeForce ...". */
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, unsigned int *brand)
+{
+    ENTER(ANY_DEVICE, device, brand != NULL);
+    if (strncmp(g->name, "Tesla ", 6) == 0)
+        *brand = 2;
+    else if (strstr(g->name, "GeForce") != NULL)
+        *brand = 5;
+    else
+        *brand = 14;
+    DONE(NVML_SUCCESS);
+}
+
 /* ---- PCI ---- */
 
 /* Copy one field of SIM_PCI_ID_FIELDS or SIM_GI_PROFILE_FIELDS from `src` into `out`. */
