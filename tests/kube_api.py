@@ -1,7 +1,9 @@
 """The Kubernetes API server for the fast tests of agent.kubeapi: plain HTTP on loopback, with
 a bearer token, serving only what the agent asks of the real one (tests/e2e checks it there):
 create and patch Events, read a Pod and the Node, patch the Node's status with a strategic
-merge patch of its conditions (merged by `type`, as the real server merges them), and watch
+merge patch of its conditions (merged by `type`, as the real server merges them), read, create
+and replace ResourceSlices (a replacement naming an older resourceVersion gets the real
+server's 409 Conflict; `slices` holds them by name), and watch
 the Node (one JSON event per line from the resourceVersion asked, as the real server streams
 them; `label()` changes a label as `kubectl label` does, `end_watches()` ends every watch as
 the server does after timeoutSeconds).
@@ -37,6 +39,9 @@ class KubeApi:
         self.refuse: set[str] = set()  # path prefixes answered 403
         self.labels: dict[str, str] = {}  # the Node's
         self.version = 1  # the Node's resourceVersion
+        self.uid = "7d3c1b52-node-uid"  # the Node's
+        self.slices: dict[str, dict] = {}  # ResourceSlices by name
+        self._object_version = 100  # resourceVersions of the other objects
         self._history: list[tuple[int, dict]] = []  # (version, watch event) of each change
         self._watchers: list[queue.Queue] = []
         self._cv = threading.Condition()
@@ -91,7 +96,7 @@ class KubeApi:
                 finally:
                     api._unwatch(events)
 
-            do_GET = do_POST = do_PATCH = _serve
+            do_GET = do_POST = do_PATCH = do_PUT = _serve
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
@@ -143,7 +148,7 @@ class KubeApi:
             return len(self._watchers)
 
     def _node(self) -> dict:
-        return {"metadata": {"name": self.node, "labels": dict(self.labels),
+        return {"metadata": {"name": self.node, "uid": self.uid, "labels": dict(self.labels),
                              "resourceVersion": str(self.version)},
                 "status": {"conditions": list(self.conditions.values())}}
 
@@ -235,4 +240,42 @@ class KubeApi:
                 for c in body["status"]["conditions"]:
                     self.conditions[c["type"]] = {**self.conditions.get(c["type"], {}), **c}
                 return 200, {"metadata": {"name": self.node}}
+        if parts[:4] == ["apis", "resource.k8s.io", "v1", "resourceslices"]:
+            return self._slices(method, parts[4:], body)
         return 404, {"message": f"{method} /{'/'.join(parts)}: not served here"}
+
+    def _slices(self, method: str, rest: list[str], body: Any) -> tuple[int, Any]:
+        name = rest[0] if rest else (body or {}).get("metadata", {}).get("name", "")
+        held = self.slices.get(name)
+        if method == "GET" and rest:
+            if held is None:
+                return 404, {"message": f'resourceslices.resource.k8s.io "{name}" not found',
+                             "reason": "NotFound"}
+            return 200, held
+        if method == "POST" and not rest:
+            if held is not None:
+                return 409, {"message": f'resourceslices.resource.k8s.io "{name}" already '
+                                        f"exists", "reason": "AlreadyExists"}
+            return 201, self._store(name, body)
+        if method == "PUT" and rest:
+            if held is None:
+                return 404, {"message": f'resourceslices.resource.k8s.io "{name}" not found'}
+            if body["metadata"].get("resourceVersion") != held["metadata"]["resourceVersion"]:
+                return 409, {"message": "Operation cannot be fulfilled on "
+                                        f'resourceslices.resource.k8s.io "{name}": the object '
+                                        "has been modified; please apply your changes to the "
+                                        "latest version and try again", "reason": "Conflict"}
+            return 200, self._store(name, body)
+        return 405, {"message": f"{method} resourceslices: not served here"}
+
+    def _store(self, name: str, body: dict) -> dict:
+        self._object_version += 1
+        stored = json.loads(json.dumps(body))
+        stored["metadata"]["resourceVersion"] = str(self._object_version)
+        self.slices[name] = stored
+        return stored
+
+    def change_slice(self, name: str) -> None:
+        """Someone else replaces slice `name` (its resourceVersion moves on)."""
+        with self._cv:
+            self._store(name, self.slices[name])

@@ -20,7 +20,7 @@ AGENT = Path(__file__).resolve().parent.parent / "agent"
 RANK = {
     "__main__": 0, "demo": 0,
     "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1,
-    "kubelet": 2, "kubeapi": 2,
+    "kubelet": 2, "kubeapi": 2, "dra": 2,
     "rm": 3, "health": 3, "state": 3, "mps": 3,
     "nvml": 4,
     "_fast": 5,
@@ -31,6 +31,8 @@ RANK = {
 # Extra rules, part -> parts of agent it must never import.
 FORBIDDEN = {
     "kubelet": {"nvml", "_fast"},
+    # told what the devices are, never asks NVML itself (as kubelet/)
+    "dra": {"nvml", "_fast"},
     # the API server's client and the fault reports: told what to say, never asks NVML or rm
     # (dirwatch: the kubeconfig not there yet is waited for with inotify)
     "kubeapi": set(RANK) - {"kubeapi", "errors", "constants", "dirwatch"},

@@ -1,0 +1,172 @@
+"""The devices of this node as NVIDIA's DRA driver publishes them in its ResourceSlice.
+
+Owns: device names, attributes and capacities (`gpu_device`, `mig_device`, `node_devices`)
+and the ResourceSlice spec that holds them (`slice_spec`), in resource.k8s.io/v1's JSON form,
+so that DeviceClasses, ResourceClaimTemplates and CEL selectors written for NVIDIA's driver
+(kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) select the same devices here:
+
+- driver `gpu.nvidia.com`; one pool named after the node, one slice (cmd/gpu-kubelet-plugin
+  driver.go:473-486);
+- a full GPU is `gpu-<NVML minor>` (deviceinfo.go:106-108) with the attributes of
+  deviceinfo.go:152-198 and a `memory` capacity in bytes (partitions.go:34-43); besides them
+  `index`, `minor` and `pcieBusID`, which NVIDIA's v25.3 releases published and selectors
+  written then may still use;
+- a MIG device is `gpu-<parent minor>-mig-<profile, dots dropped>-<GPU instance profile ID>-
+  <placement start>` (mig.go:111-114), with its parent's attributes, `type: mig`, `uuid`,
+  `parentUUID` and `profile` (mig.go:118-185) and its GPU instance profile's counts as
+  capacities, plus `memorySlice<i>: 1` for each memory slice it holds (deviceinfo.go:209-232);
+  a GPU in MIG mode publishes its MIG devices only.
+
+Versions are written as Masterminds semver writes them ("9.0" -> "9.0.0", "570.124.06" ->
+"570.124.6"), quantities as Kubernetes writes a binary-SI quantity ("81559Mi").
+Must not talk to NVML (agent.nvml reads what this is given) or to the API server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+DRIVER = "gpu.nvidia.com"
+API_VERSION = "resource.k8s.io/v1"
+# attributes in Kubernetes' own domain (k8s.io/dynamic-resource-allocation deviceattribute)
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+
+_BINARY_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
+
+
+def quantity(n: int) -> str:
+    """`n` as Kubernetes writes a binary-SI quantity: the largest power-of-1024 suffix that
+    leaves a whole number (81559 MiB in bytes: "81559Mi"; 16: "16")."""
+    for suffix, shift in _BINARY_SUFFIXES:
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
+
+
+def semver(text: str) -> str:
+    """A dotted version as Masterminds semver v3 writes it after parsing (missing parts 0,
+    leading zeros dropped): "9.0" -> "9.0.0", "570.124.06" -> "570.124.6"."""
+    parts = [int(p) for p in text.split(".")[:3]]
+    return ".".join(str(p) for p in parts + [0] * (3 - len(parts)))
+
+
+def cuda_version(v: int) -> str:
+    """nvmlSystemGetCudaDriverVersion's integer as NVIDIA's driver publishes it (nvlib.go:610:
+    major.minor, then semver): 12040 -> "12.4.0"."""
+    return semver(f"{v // 1000}.{v % 1000 // 10}")
+
+
+def pcie_root(bus_id: str, sys_root: str = "/sys") -> str | None:
+    """The PCIe root complex of the device at `bus_id` ("0000:3b:00.0") as Kubernetes'
+    deviceattribute.GetPCIeRootAttributeByPCIBusID reads it: the first directory under
+    /sys/devices of the device's sysfs path ("pci0000:3a"); None when sysfs does not say."""
+    try:
+        target = os.path.realpath(os.path.join(sys_root, "bus/pci/devices", bus_id),
+                                  strict=True)
+    except OSError:
+        return None
+    devices = os.path.join(os.path.realpath(sys_root), "devices") + os.sep
+    if not target.startswith(devices):
+        return None
+    root = target[len(devices):].split(os.sep, 1)[0]
+    return root if root.startswith("pci") else None
+
+
+def _rfc1123(name: str) -> str:
+    """mig.go toRFC1123Compliant: lower case, anything else than [a-z0-9-.] a dash, no dash at
+    either end, at most 253 characters."""
+    return re.sub(r"[^a-z0-9.-]", "-", name.lower()).strip("-")[:253]
+
+
+def _string(v: str) -> dict:
+    return {"string": v}
+
+
+def _int(v: int) -> dict:
+    return {"int": v}
+
+
+def _version(v: str) -> dict:
+    return {"version": v}
+
+
+def _capacity(values: dict[str, int]) -> dict:
+    return {k: {"value": quantity(v)} for k, v in values.items()}
+
+
+def gpu_attributes(gpu: Any, identity: Any, driver: Any, root: str | None) -> dict:
+    """The attributes a full GPU and its MIG devices share (the parent's, for a MIG device).
+    `gpu`: agent.nvml.discovery.Gpu; `identity`: agent.nvml.identity.GpuIdentity;
+    `driver`: agent.nvml.driver.DriverInfo; `root`: its PCIe root or None."""
+    attrs = {
+        "productName": _string(gpu.name),
+        "brand": _string(identity.brand),
+        "architecture": _string(identity.architecture),
+        "cudaComputeCapability": _version(semver("{}.{}".format(*gpu.compute_capability))),
+        "driverVersion": _version(semver(driver.driver_version)),
+        "cudaDriverVersion": _version(cuda_version(driver.cuda_driver_version)),
+        PCI_BUS_ID: _string(gpu.short_bus_id),
+    }
+    if root:
+        attrs[PCIE_ROOT] = _string(root)
+    return attrs
+
+
+def gpu_device(gpu: Any, shared: dict) -> dict:
+    """The device of a full GPU; `shared`: its gpu_attributes."""
+    return {
+        "name": f"gpu-{gpu.minor}",
+        "attributes": {
+            "type": _string("gpu"), "uuid": _string(gpu.uuid), **shared,
+            "index": _int(gpu.index), "minor": _int(gpu.minor),
+            "pcieBusID": _string(gpu.short_bus_id),
+        },
+        "capacity": _capacity({"memory": gpu.memory_total}),
+    }
+
+
+def mig_device(mig: Any, placement: Any, parent_shared: dict) -> dict:
+    """The device of a MIG device (agent.nvml.mig.MigDevice) in its GPU instance
+    (agent.nvml.identity.MigPlacement); `parent_shared`: its GPU's gpu_attributes."""
+    p = placement
+    name = (f"gpu-{mig.parent.minor}-mig-{_rfc1123(mig.profile.replace('.', ''))}-"
+            f"{p.profile_id}-{p.start}")
+    capacity = {
+        "multiprocessors": p.multiprocessors, "copyEngines": p.copy_engines,
+        "decoders": p.decoders, "encoders": p.encoders, "jpegEngines": p.jpegs,
+        "ofaEngines": p.ofas, "memory": p.memory_mb << 20,
+        **{f"memorySlice{i}": 1 for i in range(p.start, p.start + p.size)},
+    }
+    return {
+        "name": name,
+        "attributes": {
+            "type": _string("mig"), "uuid": _string(mig.uuid),
+            "parentUUID": _string(mig.parent.uuid), "profile": _string(mig.profile),
+            **parent_shared,
+        },
+        "capacity": _capacity(capacity),
+    }
+
+
+def node_devices(gpus: Sequence[Any], migs: Iterable[tuple[Any, Any]], shared: dict[str, dict]
+                 ) -> list[dict]:
+    """Every device of the node, by name: the GPUs not in MIG mode, and the MIG devices
+    (`migs`: (MigDevice, MigPlacement) pairs) of those that are. `shared`: GPU UUID -> its
+    gpu_attributes."""
+    out = [gpu_device(g, shared[g.uuid]) for g in gpus if not g.mig_enabled]
+    out += [mig_device(m, p, shared[m.parent.uuid]) for m, p in migs]
+    return sorted(out, key=lambda d: d["name"])
+
+
+def slice_spec(node: str, devices: list[dict], generation: int) -> dict:
+    """The spec of this node's one ResourceSlice (its pool named after the node)."""
+    return {
+        "driver": DRIVER,
+        "nodeName": node,
+        "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+        "devices": devices,
+    }
