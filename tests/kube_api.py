@@ -3,7 +3,7 @@ a bearer token, serving only what the agent asks of the real one (tests/e2e chec
 create and patch Events, read a Pod and the Node, patch the Node's status with a strategic
 merge patch of its conditions (merged by `type`, as the real server merges them), read, create
 and replace ResourceSlices (a replacement naming an older resourceVersion gets the real
-server's 409 Conflict; `slices` holds them by name), and watch
+server's 409 Conflict; `slices` holds them by name), read ResourceClaims (`claims`), and watch
 the Node (one JSON event per line from the resourceVersion asked, as the real server streams
 them; `label()` changes a label as `kubectl label` does, `end_watches()` ends every watch as
 the server does after timeoutSeconds).
@@ -41,6 +41,7 @@ class KubeApi:
         self.version = 1  # the Node's resourceVersion
         self.uid = "7d3c1b52-node-uid"  # the Node's
         self.slices: dict[str, dict] = {}  # ResourceSlices by name
+        self.claims: dict[tuple[str, str], dict] = {}  # ResourceClaims by (namespace, name)
         self._object_version = 100  # resourceVersions of the other objects
         self._history: list[tuple[int, dict]] = []  # (version, watch event) of each change
         self._watchers: list[queue.Queue] = []
@@ -240,6 +241,13 @@ class KubeApi:
                 for c in body["status"]["conditions"]:
                     self.conditions[c["type"]] = {**self.conditions.get(c["type"], {}), **c}
                 return 200, {"metadata": {"name": self.node}}
+        if parts[:4] == ["apis", "resource.k8s.io", "v1", "namespaces"] and \
+                parts[5:6] == ["resourceclaims"] and len(parts) == 7 and method == "GET":
+            claim = self.claims.get((parts[4], parts[6]))
+            if claim is None:
+                return 404, {"message": f'resourceclaims.resource.k8s.io "{parts[6]}" not '
+                                        f"found", "reason": "NotFound"}
+            return 200, claim
         if parts[:4] == ["apis", "resource.k8s.io", "v1", "resourceslices"]:
             return self._slices(method, parts[4:], body)
         return 404, {"message": f"{method} /{'/'.join(parts)}: not served here"}
