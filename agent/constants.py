@@ -16,6 +16,9 @@ NVML_SONAME = "libnvidia-ml.so.1"
 
 # -- strategies (NVIDIA k8s-device-plugin's spellings) ------------------------------------------
 
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet"  # kubelet's --root-dir
+# agent.mode: what the agent serves kubelet (the first is the default)
+MODES = ("device-plugin", "dra")
 MIG_STRATEGIES = ("none", "single", "mixed")
 DEFAULT_MIG_STRATEGY = "none"
 

@@ -65,6 +65,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.mps = MpsDaemons(on_change=lambda: self.health and self.health.outages_changed())
         self.registrar: Registrar | None = None
+        self.dra: Any = None  # agent.mode dra: the DRA driver (agent.dramode.DraMode)
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
         self.services = Services(self, on_change=self._wake)  # /dev/char, metrics, labels
         self.faults: Any = None  # events and the node condition, agent.kubeapi.faults
@@ -150,7 +151,15 @@ class Daemon:
             self.state.poke()  # the GPUs are known now: match records to them
         if restart_health or [d.id for d in self.resources.devices] != before:
             self._start_health()  # before serving: the first snapshot has the recorded faults
-        if not self.cfg.plugin_socket_dir:
+        if self.cfg.mode == "dra":
+            if self.dra is None:
+                from agent.dramode import DraMode  # the DRA driver's parts load in this mode
+
+                self.dra = DraMode(self.cfg, on_change=self._wake)
+            self.dra.apply(self.resources.gpus, self.cfg)
+            if not self.ready_sent:
+                self._send_ready()
+        elif not self.cfg.plugin_socket_dir:
             log.info("kubelet socket is empty (do not connect to kubelet): not serving")
         else:
             first = self.registrar is None
@@ -164,7 +173,7 @@ class Daemon:
             self.health.watch_isolation()  # (at start, after the first registration)
         self.cdi = self.resources.check_cdi(self.cfg)
         self.services.devices_changed(self.cfg)
-        if not self.cfg.plugin_socket_dir:
+        if not self.cfg.plugin_socket_dir and self.cfg.mode != "dra":
             self._send_ready()
 
     # -- health ------------------------------------------------------------------------------
@@ -373,6 +382,10 @@ class Daemon:
         try:
             new = self._load_config()
             check_supported(new)
+            if new.mode != self.cfg.mode:
+                raise ConfigError("agent.mode", f"{new.mode!r} differs from the running "
+                                  f"{self.cfg.mode!r}; a change of mode takes a restart "
+                                  f"(docs/dra.md)", str(new.sources["mode"]))
             if self.nvml.up:  # a MIG layout the new strategy refuses keeps the old one
                 self.resources.device_map(self.resources.gpus, new)
         except (ConfigError, MigLayoutError) as exc:
@@ -432,6 +445,8 @@ class Daemon:
         if self.label_watch is not None:
             self.label_watch.stop()
         self.mps.stop()  # the daemons go on serving their clients
+        if self.dra is not None:
+            self.dra.stop()  # the kubelet plugin's sockets; the ResourceSlice stays
         if self.registrar is not None:
             self.registrar.stop()  # the servers and their sockets
         self.resources.close()

@@ -105,6 +105,8 @@ def document(d: Any) -> dict:
         "migPending": [g.mig_pending_note for g in d.resources.gpus if g.mig_pending_note],
         "state": d.state.status() if d.state is not None else None,
         "cdi": d.cdi.to_json() if d.cdi is not None else None,
+        "mode": cfg.mode if cfg else None,
+        "dra": d.dra.status() if d.dra is not None else None,
         "mps": d.mps.status(),
         "health": d.health.status() if d.health is not None else None,
         "kubernetes": d.faults.status() if d.faults is not None else None,
@@ -299,6 +301,15 @@ def format_status(doc: dict) -> str:
                          + f"; {m['replicas']} replicas, {m['threadPercentage']}% of the SMs "
                            f"and {m['memoryLimitMiB']} MiB a client by default; restarted "
                            f"{m['restarts']} times")
+    if doc.get("dra"):
+        r = doc["dra"]
+        lines.append(f"DRA driver {r['driver']} on node {r['node']}: {r['devices']} devices in "
+                     f"its ResourceSlice (pool generation {r['sliceGeneration']}"
+                     + (f"; not published: {r['error']}" if r["error"] else "") + "); kubelet "
+                     + {True: "registered it", False: "refused it", None: "has not registered "
+                        "it yet"}[r["registered"]] + f"; {len(r['preparedClaims'])} claims "
+                     f"prepared" + (f": {', '.join(r['preparedClaims'])}"
+                                    if r["preparedClaims"] else ""))
     if doc.get("cdi"):
         c = doc["cdi"]
         lines.append(f"CDI ({', '.join(c['strategies'])}): "

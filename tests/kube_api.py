@@ -248,11 +248,20 @@ class KubeApi:
                 return 404, {"message": f'resourceclaims.resource.k8s.io "{parts[6]}" not '
                                         f"found", "reason": "NotFound"}
             return 200, claim
-        if parts[:4] == ["apis", "resource.k8s.io", "v1", "resourceslices"]:
-            return self._slices(method, parts[4:], body)
+        if parts[:3] == ["apis", "resource.k8s.io", "v1"] and len(parts) > 3 and \
+                parts[3].partition("?")[0] == "resourceslices":
+            query = parts[3].partition("?")[2]
+            return self._slices(method, [f"?{urllib.parse.unquote(query)}"] if query else
+                                parts[4:], body)
         return 404, {"message": f"{method} /{'/'.join(parts)}: not served here"}
 
     def _slices(self, method: str, rest: list[str], body: Any) -> tuple[int, Any]:
+        if rest and rest[0].startswith("?"):  # a list, by the node's name only (as the Node
+            # authorizer lets a node's identity list them)
+            query = urllib.parse.parse_qs(rest[0][1:])
+            node = query.get("fieldSelector", [""])[0].removeprefix("spec.nodeName=")
+            return 200, {"items": [s for s in self.slices.values()
+                                   if s["spec"]["nodeName"] == node]}
         name = rest[0] if rest else (body or {}).get("metadata", {}).get("name", "")
         held = self.slices.get(name)
         if method == "GET" and rest:

@@ -19,7 +19,7 @@ AGENT = Path(__file__).resolve().parent.parent / "agent"
 # of a higher rank number (further down the chain), never a lower one.
 RANK = {
     "__main__": 0, "demo": 0,
-    "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1,
+    "daemon": 1, "status": 1, "doctor": 1, "services": 1, "metrics": 1, "dramode": 1,
     "kubelet": 2, "kubeapi": 2, "dra": 2,
     "rm": 3, "health": 3, "state": 3, "mps": 3,
     "nvml": 4,

@@ -119,6 +119,9 @@ def test_defaults_follow_nvidia():
 # name: (file value as written in YAML, env text, flag text, and the values they give).
 # Each layer's value differs from the one below it, so the winner is always visible.
 PRECEDENCE = {
+    "mode": ("dra", "device-plugin", "dra", ("dra", "device-plugin", "dra")),
+    "kubelet_dir": ("/srv/kubelet", "/env/kubelet", "/flag/kubelet",
+                    ("/srv/kubelet", "/env/kubelet", "/flag/kubelet")),
     "mig_strategy": ("single", "mixed", "single", ("single", "mixed", "single")),
     "fail_on_init_error": (False, "true", "false", (False, True, False)),
     "driver_root": ("/run/nvidia/driver", "/opt/driver", "/srv/driver",

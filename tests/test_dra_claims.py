@@ -18,8 +18,8 @@ from agent.kubeapi.client import connect
 from tests.kube_api import KubeApi
 
 NODE = "n1"
-DEVICES = {"gpu-0": NodeDevice("GPU-aaa", ("/dev/nvidia0",)),
-           "gpu-1": NodeDevice("GPU-bbb", ("/dev/nvidia1",))}
+DEVICES = {"gpu-0": NodeDevice("GPU-aaa", (("/dev/nvidia0", "/drv/dev/nvidia0"),)),
+           "gpu-1": NodeDevice("GPU-bbb", (("/dev/nvidia1", "/drv/dev/nvidia1"),))}
 
 
 def _claim(api: KubeApi, name: str, uid: str, results, config=()):
@@ -59,7 +59,8 @@ def test_prepare_writes_the_claims_cdi_spec_and_answers_its_cdi_ids(env):
     spec = json.loads(open(os.path.join(cdi, "k8s.gpu.nvidia.com-claim_u-1.json")).read())
     assert spec["kind"] == "k8s.gpu.nvidia.com/claim"
     assert [(d["name"], d["containerEdits"]["deviceNodes"]) for d in spec["devices"]] == [
-        ("u-1-gpu-0", [{"path": "/dev/nvidia0"}]), ("u-1-gpu-1", [{"path": "/dev/nvidia1"}])]
+        ("u-1-gpu-0", [{"path": "/dev/nvidia0", "hostPath": "/drv/dev/nvidia0"}]),
+        ("u-1-gpu-1", [{"path": "/dev/nvidia1", "hostPath": "/drv/dev/nvidia1"}])]
     assert spec["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-aaa,GPU-bbb"]
 
 

@@ -80,6 +80,8 @@ class Config(NamedTuple):
     maps each option name, each section name and each compat key to its Source."""
 
     config_file: str | None
+    mode: str
+    kubelet_dir: str
     mig_strategy: str
     fail_on_init_error: bool
     driver_root: str

@@ -223,6 +223,8 @@ SCHEMA: dict = {
     "agent": {
         "stateDir": OPTION,
         "nvmlLibrary": OPTION,
+        "mode": OPTION,
+        "kubeletDir": OPTION,
         "mpsControl": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,

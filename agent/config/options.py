@@ -45,6 +45,7 @@ from agent.constants import (
     DEFAULT_ISOLATION_FILE,
     DEFAULT_JOURNAL_SYNC_INTERVAL_S,
     DEFAULT_KUBECONFIG,
+    DEFAULT_KUBELET_DIR,
     DEFAULT_KUBELET_SOCKET,
     DEFAULT_METRICS_ADDRESS,
     DEFAULT_MIG_CHECK_INTERVAL_S,
@@ -63,6 +64,7 @@ from agent.constants import (
     DEVICE_LIST_STRATEGIES,
     FALLBACK_STRATEGIES,
     MIG_STRATEGIES,
+    MODES,
     MPS_CONTROL,
     NAMED_CONFIG_FALLBACK,
     NVML_SONAME,
@@ -95,6 +97,18 @@ OPTIONS: tuple[Option, ...] = (
         "config_file", "--config", "CONFIG_FILE", None, ConfigFileKind(), "",
         "the config file: NVIDIA's version: v1 schema plus an agent: section",
         aliases=("--config-file",), default_text="none",
+    ),
+    Option(
+        "mode", "--mode", "GPU_AGENT_MODE", "agent.mode", ChoiceKind(*MODES), MODES[0],
+        "what the agent serves kubelet: device-plugin (the device-plugin API: nvidia.com/gpu "
+        "and its MIG and shared resources) or dra (the DRA driver gpu.nvidia.com: "
+        "ResourceSlices and prepared claims, docs/dra.md); a change takes a restart",
+    ),
+    Option(
+        "kubelet_dir", "--kubelet-dir", "GPU_AGENT_KUBELET_DIR", "agent.kubeletDir",
+        PathKind(), DEFAULT_KUBELET_DIR,
+        "kubelet's root directory (its --root-dir): in dra mode the DRA plugin's sockets go "
+        "in its plugins_registry and plugins directories",
     ),
     Option(
         "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",

@@ -52,10 +52,11 @@ class ClaimError(AgentError):
 
 
 class NodeDevice(NamedTuple):
-    """A device this node publishes: its UUID and the device nodes a container needs."""
+    """A device this node publishes: its UUID and the device nodes a container needs, each
+    (path in the container, path on the host: under the device root)."""
 
     uuid: str
-    nodes: tuple[str, ...]
+    nodes: tuple[tuple[str, str], ...]
 
 
 def spec_path(cdi_dir: str, uid: str) -> str:
@@ -71,11 +72,12 @@ class Claims:
     `devices()`: the devices the node publishes now, by name."""
 
     def __init__(self, client: Any, node: str, devices: Callable[[], Mapping[str, NodeDevice]],
-                 state_dir: str, cdi_dir: str = "/var/run/cdi"):
+                 state_dir: str, cdi_dir: str = "/var/run/cdi", dev_root: str = "/"):
         self.client = client
         self.node = node
         self.devices = devices
         self.cdi_dir = cdi_dir
+        self.dev_root = dev_root
         self.path = os.path.join(state_dir, STATE_FILE)
         self._lock = threading.Lock()
         self.prepared: dict[str, list] = self._load()
@@ -145,12 +147,14 @@ class Claims:
             "cdiVersion": CDI_VERSION,
             "kind": CDI_KIND,
             "devices": [{"name": cdi_name(uid, r["device"]), "containerEdits": {
-                "deviceNodes": [{"path": n} for n in known[r["device"]].nodes]}}
+                "deviceNodes": [_node(c, h) for c, h in known[r["device"]].nodes]}}
                 for r in results],
             "containerEdits": {
                 "env": ["NVIDIA_VISIBLE_DEVICES=" +
                         ",".join(known[r["device"]].uuid for r in results)],
-                "deviceNodes": [{"path": n} for n in CONTROL_NODES if os.path.exists(n)],
+                "deviceNodes": [_node(n, h) for n in CONTROL_NODES
+                                if os.path.exists(h := os.path.join(self.dev_root,
+                                                                    n.lstrip("/")))],
             },
         }
         try:
@@ -203,6 +207,10 @@ class Claims:
                       self.path, exc, aside)
             return {}
         return prepared
+
+
+def _node(path: str, host: str) -> dict:
+    return {"path": path} if path == host else {"path": path, "hostPath": host}
 
 
 def _remove(path: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent import futures
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import grpc
 
@@ -68,8 +68,9 @@ class DraPlugin:
     """The kubelet plugin of the DRA driver, answering from `claims`."""
 
     def __init__(self, claims: Any, kubelet_dir: str = DEFAULT_KUBELET_DIR,
-                 driver: str = DRIVER):
+                 driver: str = DRIVER, on_change: Callable[[], None] = lambda: None):
         self.claims = claims
+        self.on_change = on_change  # after a registration status and each call's claims
         self.driver = driver
         self.socket, self.registration_socket = socket_paths(kubelet_dir, driver)
         self.registered: bool | None = None  # as kubelet last said; None: not yet
@@ -79,7 +80,7 @@ class DraPlugin:
     def start(self) -> None:
         """Serve the DRA socket, then the registration socket (kubelet then registers)."""
         dra = _server()
-        handlers = _Handlers(self.claims)
+        handlers = _Handlers(self.claims, self.on_change)
         v1_grpc.add_DRAPluginServicer_to_server(_Servicer(handlers, v1), dra)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_Servicer(handlers, v1beta1), dra)
         self._serve(dra, self.socket)
@@ -108,6 +109,7 @@ class DraPlugin:
 
     def notified(self, registered: bool, error: str) -> None:
         self.registered, self.registration_error = registered, error
+        self.on_change()
         if registered:
             log.info("DRA driver %s registered with kubelet", self.driver)
         else:
@@ -136,10 +138,23 @@ class _Registration(reg_grpc.RegistrationServicer):
 class _Handlers:
     """Each claim of a call to `claims`, its answer or its error."""
 
-    def __init__(self, claims: Any):
+    def __init__(self, claims: Any, on_change: Callable[[], None]):
         self.claims = claims
+        self.on_change = on_change
 
     def prepare(self, claims: Any, api: Any) -> Any:
+        try:
+            return self._prepare(claims, api)
+        finally:
+            self.on_change()
+
+    def unprepare(self, claims: Any, api: Any) -> Any:
+        try:
+            return self._unprepare(claims, api)
+        finally:
+            self.on_change()
+
+    def _prepare(self, claims: Any, api: Any) -> Any:
         out = api.NodePrepareResourcesResponse()
         for c in claims:
             ref = ClaimRef(c.namespace, c.uid, c.name)
@@ -159,7 +174,7 @@ class _Handlers:
                               c.name, c.uid)
         return out
 
-    def unprepare(self, claims: Any, api: Any) -> Any:
+    def _unprepare(self, claims: Any, api: Any) -> Any:
         out = api.NodeUnprepareResourcesResponse()
         for c in claims:
             answer = out.claims[c.uid]

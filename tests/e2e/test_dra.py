@@ -1,0 +1,97 @@
+"""DRA mode on the real kubelet, API server, scheduler and containerd (issue 39): gpu-agent
+`--mode dra` publishes the node's GPUs in a ResourceSlice with the node's own identity,
+kubelet's plugin watcher registers its kubelet plugin, the scheduler allocates a
+ResourceClaim for one GPU from that slice through a DeviceClass written as NVIDIA's chart
+writes it (kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1 deployments/helm/.../
+deviceclass-gpu.yaml), and the pod's container gets the device node and environment of its
+claim, injected by containerd from the CDI spec the agent wrote at prepare; deleting the pod
+unprepares the claim and removes the spec."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.e2e import images
+from tests.e2e.cluster import NODE
+from tests.e2e.conftest import NS, profile_gpus
+from tests.e2e.kube import ApiError, gpu_pod
+
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+DRIVER = "gpu.nvidia.com"
+CLASS = {
+    "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+    "metadata": {"name": DRIVER},
+    "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}' && "
+                                                  f"device.attributes['{DRIVER}'].type == 'gpu'"}}]},
+}
+
+
+@pytest.fixture
+def dra(node):
+    api = node.api
+    made: list[str] = []
+
+    def create(path: str, body: dict) -> None:
+        api.create(path, body)
+        made.append(f"{path}/{body['metadata']['name']}")
+
+    yield create
+    node.delete_pods()
+    for path in reversed(made):
+        api.delete(path)
+    try:  # the agent's slice outlives it (owned by the Node): the next test starts clean
+        for s in api.get(f"{RESOURCE_API}/resourceslices")["items"]:
+            api.delete(f"{RESOURCE_API}/resourceslices/{s['metadata']['name']}")
+    except ApiError as exc:
+        print(f"cleanup: slices not deleted: {exc}")
+
+
+def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
+    gpus = {g["minor"]: g for g in profile_gpus()}
+    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root)
+    name = f"{NODE}-{DRIVER}"
+    try:
+        published = node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
+                                      lambda s: s, "the agent's ResourceSlice")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{node.logs(60)}") from None
+    assert published["spec"]["nodeName"] == NODE
+    assert sorted(d["name"] for d in published["spec"]["devices"]) == sorted(
+        f"gpu-{m}" for m in gpus)
+    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"),
+                      "kubelet registering the DRA plugin")
+
+    dra("/apis/resource.k8s.io/v1/deviceclasses", CLASS)
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "one-gpu"},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
+    pod = gpu_pod("with-claim", NODE, None, images.BUSYBOX)
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "one-gpu"}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    # the controller-manager makes the namespace's default service account a moment after
+    # the cluster starts; the API server refuses pods until it is there
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
+    node.pods.append("with-claim")
+    node.wait_running("with-claim")
+
+    claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/one-gpu")
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert [(r["driver"], r["pool"]) for r in results] == [(DRIVER, NODE)]
+    minor = int(results[0]["device"].removeprefix("gpu-"))
+    seen = node.seen("with-claim")
+    assert seen.nodes == {f"nvidia{minor}"}, seen.raw
+    assert seen.env["NVIDIA_VISIBLE_DEVICES"] == gpus[minor]["uuid"]
+    spec = os.path.join(node.cluster.cdi_dir, f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.json")
+    assert os.path.exists(spec)
+    status = agent.status_when(lambda s: s["dra"]["preparedClaims"], "the prepared claim")
+    assert status["dra"]["preparedClaims"] == [f"{NS}/one-gpu"]
+
+    node.delete_pods("with-claim")
+    agent.status_when(lambda s: not s["dra"]["preparedClaims"], "the claim unprepared")
+    assert not os.path.exists(spec)

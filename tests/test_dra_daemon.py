@@ -1,0 +1,89 @@
+"""`gpu-agent run --mode dra` as a real process on the simulated node, against the fast tests'
+API server and kubelet's side of the plugin API played by the test (tests/e2e/test_dra.py
+has the real kubelet): the ResourceSlice published, the kubelet plugin registered where the
+plugin watcher looks, a claim prepared into a CDI spec, no device-plugin resource registered,
+and the mode not switched by a reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+import pytest
+
+from agent._proto.dra.v1 import api_pb2 as v1
+from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
+from agent._proto.pluginregistration.v1 import api_pb2 as reg
+from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent.sim.profile import load_profile
+from tests.daemon_harness import Node
+from tests.kube_api import KubeApi
+
+NODE = "gpu-node-1"
+SLICE = f"{NODE}-gpu.nvidia.com"
+GPUS = load_profile("dgx1-v100")["gpus"]
+
+
+@pytest.fixture
+def node():
+    with Node() as n:
+        yield n
+
+
+def _start(node: Node, api: KubeApi, *args: str):
+    """The agent in DRA mode: `args` say so (default --mode dra)."""
+    api.kubeconfig(node.kubeconfig)
+    agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
+                       "--kubelet-dir", node.root, *(args or ("--mode", "dra")))
+    api.wait(lambda: SLICE in api.slices, "the ResourceSlice")
+    return agent
+
+
+def _channel(path: str) -> grpc.Channel:
+    return grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+
+
+def test_dra_mode_publishes_the_slice_registers_the_plugin_and_prepares_a_claim(node):
+    api = KubeApi(NODE)
+    agent = _start(node, api)
+    spec = api.slices[SLICE]["spec"]
+    assert [d["name"] for d in spec["devices"]] == [f"gpu-{g['minor']}" for g in GPUS]
+    assert spec["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+    registration = node.path("plugins_registry/gpu.nvidia.com-reg.sock")
+    with _channel(registration) as ch:
+        info = reg_grpc.RegistrationStub(ch).GetInfo(reg.InfoRequest(), timeout=10)
+        assert info.endpoint == node.path("plugins/gpu.nvidia.com/dra.sock")
+        reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+            reg.RegistrationStatus(plugin_registered=True), timeout=10)
+    api.claims[("ml", "train")] = {
+        "metadata": {"namespace": "ml", "name": "train", "uid": "u-1"},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-3"}]}}}}
+    with _channel(info.endpoint) as ch:
+        out = v1_grpc.DRAPluginStub(ch).NodePrepareResources(v1.NodePrepareResourcesRequest(
+            claims=[v1.Claim(namespace="ml", uid="u-1", name="train")]), timeout=10)
+    assert out.claims["u-1"].error == ""
+    assert list(out.claims["u-1"].devices[0].cdi_device_ids) == [
+        "k8s.gpu.nvidia.com/claim=u-1-gpu-3"]
+    cdi = json.loads(open(node.path("cdi/k8s.gpu.nvidia.com-claim_u-1.json")).read())
+    assert cdi["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={GPUS[3]['uuid']}"]
+    status = node.status_when(lambda s: (s.get("dra") or {}).get("preparedClaims"),
+                              "the status naming the prepared claim")
+    assert status["dra"]["preparedClaims"] == ["ml/train"] and status["dra"]["registered"]
+    assert node.client.state().resources == {}  # no device-plugin resource registered
+    assert agent.stop() == 0
+    assert not os.path.exists(registration)
+
+
+def test_a_reload_does_not_switch_the_mode(node):
+    api = KubeApi(NODE)
+    config = node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n")
+    agent = _start(node, api, "--config", config)
+    node.write("config.yaml", "version: v1\nagent:\n  mode: device-plugin\n")
+    agent.send(signal.SIGHUP)
+    agent.wait_log("reload refused, keeping the running configuration: agent.mode: "
+                   "'device-plugin' differs from the running 'dra'; a change of mode takes a "
+                   f"restart (docs/dra.md) (file {config})")
+    assert agent.stop() == 0
