@@ -1,5 +1,6 @@
 """A client of the Kubernetes API server for the few calls the agent makes: create and patch
-Events, read a Pod or the Node, patch the Node's status.
+Events, read a Pod or the Node, patch the Node's status; in DRA mode list, create and replace
+the node's ResourceSlice and read ResourceClaims.
 
 Owns: reading a kubeconfig (its current context's server, CA, and the user's bearer token,
 token file or client certificate and key, as paths or inline `-data`), HTTPS with a fresh TLS
@@ -8,7 +9,7 @@ reconnection picks up the new one), JSON in and out, and turning a failed reques
 agent.errors.KubeApiError. Exec plugins and auth providers are refused with a clear error:
 a node agent's kubeconfig (the kubelet's) never needs them.
 
-Why no client library: the agent makes five kinds of request; the official client and
+Why no client library: the agent makes a handful of kinds of request; the official client and
 lightkube each bring a dozen packages and 0.2–1 s of import for them (README, the dependency
 list). Must not: retry (the caller decides), or be called from a thread that must not block
 (each call waits on the network, at most `timeout`).
