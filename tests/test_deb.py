@@ -117,7 +117,8 @@ def test_the_deb_says_what_it_needs_and_what_dpkg_keeps(debs, tmp_path):
     for path in ("/usr/bin/gpu-agent", f"/usr/lib/systemd/system/{UNIT}", "/" + STATE,
                  f"/{VENV}/pyvenv.cfg", "/usr/share/gpu-agent/gpu-agent-dashboard.json",
                  "/usr/share/gpu-agent/presets/vcuda-core.yaml",
-                 "/usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml"):
+                 "/usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml",
+                 "/usr/share/gpu-agent/kubernetes/gpu-agent-dra-deviceclasses.yaml"):
         assert path in members, path
     # the RPM's documentation (its %doc line), where the unit's Documentation= points, plus
     # what Debian asks of every package

@@ -148,6 +148,7 @@ def test_the_package_says_what_it_needs_and_offers_nothing_of_its_venv(rpms):
                  "/usr/share/gpu-agent/gpu-agent-dashboard.json",
                  "/usr/share/gpu-agent/presets/vcuda-core.yaml",
                  "/usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml",
+                 "/usr/share/gpu-agent/kubernetes/gpu-agent-dra-deviceclasses.yaml",
                  "/usr/share/doc/gpu-agent/sharing.md"):
         assert path in files, path
     assert not [f for f in files if f.startswith("/usr/lib/.build-id")]
@@ -269,7 +270,9 @@ def check_installed_and_running(root: Path) -> None:
              "packaging/grafana/gpu-agent-dashboard.json"),
             ("usr/share/gpu-agent/presets/vcuda-core.yaml", "packaging/presets/vcuda-core.yaml"),
             ("usr/share/gpu-agent/kubernetes/gpu-agent-rbac.yaml",
-             "packaging/kubernetes/gpu-agent-rbac.yaml")):
+             "packaging/kubernetes/gpu-agent-rbac.yaml"),
+            ("usr/share/gpu-agent/kubernetes/gpu-agent-dra-deviceclasses.yaml",
+             "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml")):
         assert (root / installed_path).read_bytes() == (ROOT / source).read_bytes(), source
     assert not list((root / VENV).glob("lib/python*/site-packages/agent/_fast/*.c"))
     leftovers = subprocess.run(["grep", "-rlE", BUILD_PATHS, str(root / VENV)],

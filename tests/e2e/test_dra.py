@@ -12,20 +12,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
 
 from tests.e2e import images
-from tests.e2e.cluster import NODE
+from tests.e2e.cluster import NODE, ROOT
 from tests.e2e.conftest import NS, profile_gpus
 from tests.e2e.kube import ApiError, gpu_pod
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 DRIVER = "gpu.nvidia.com"
-CLASS = {
-    "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-    "metadata": {"name": DRIVER},
-    "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}' && "
-                                                  f"device.attributes['{DRIVER}'].type == 'gpu'"}}]},
-}
+# the DeviceClasses the packages ship (NVIDIA's chart's, with nvidia.com/gpu mapped)
+CLASSES = list(yaml.safe_load_all(
+    (ROOT / "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml").read_text()))
 
 
 @pytest.fixture
@@ -48,8 +46,8 @@ def dra(node):
         print(f"cleanup: slices not deleted: {exc}")
 
 
-def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
-    gpus = {g["minor"]: g for g in profile_gpus()}
+def _dra_agent(node):
+    """The agent in DRA mode, its slice published and its plugin registered by kubelet."""
     agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root)
     name = f"{NODE}-{DRIVER}"
     try:
@@ -57,13 +55,23 @@ def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
                                       lambda s: s, "the agent's ResourceSlice")
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{node.logs(60)}") from None
+    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"),
+                      "kubelet registering the DRA plugin")
+    # the controller-manager makes the namespace's default service account a moment after
+    # the cluster starts; the API server refuses pods until it is there
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
+    return agent, published
+
+
+def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
+    gpus = {g["minor"]: g for g in profile_gpus()}
+    agent, published = _dra_agent(node)
     assert published["spec"]["nodeName"] == NODE
     assert sorted(d["name"] for d in published["spec"]["devices"]) == sorted(
         f"gpu-{m}" for m in gpus)
-    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"),
-                      "kubelet registering the DRA plugin")
-
-    dra("/apis/resource.k8s.io/v1/deviceclasses", CLASS)
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
     dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "one-gpu"},
@@ -72,10 +80,6 @@ def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
     pod = gpu_pod("with-claim", NODE, None, images.BUSYBOX)
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "one-gpu"}]
     pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    # the controller-manager makes the namespace's default service account a moment after
-    # the cluster starts; the API server refuses pods until it is there
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
     node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
     node.pods.append("with-claim")
     node.wait_running("with-claim")
@@ -95,3 +99,21 @@ def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
     node.delete_pods("with-claim")
     agent.status_when(lambda s: not s["dra"]["preparedClaims"], "the claim unprepared")
     assert not os.path.exists(spec)
+
+
+def test_an_unchanged_pod_asking_nvidia_com_gpu_2_runs_through_dra(node, dra, k8s_version):
+    """KEP-5004, GA in Kubernetes 1.37: the DeviceClass maps nvidia.com/gpu, the scheduler
+    makes the pod's claim, kubelet has the agent prepare it; no device plugin runs."""
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
+        pytest.skip(f"the extended-resource mapping is alpha in {k8s_version} (gate "
+                    f"DRAExtendedResource, off here): GA from 1.37")
+    gpus = {g["uuid"]: g for g in profile_gpus()}
+    _dra_agent(node)
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+    node.create_pod("two-gpus", {"nvidia.com/gpu": 2})
+    node.wait_running("two-gpus")
+    seen = node.seen("two-gpus")
+    uuids = seen.env["NVIDIA_VISIBLE_DEVICES"].split(",")
+    assert len(uuids) == 2 and set(uuids) <= set(gpus), seen.raw
+    assert seen.nodes == {f"nvidia{gpus[u]['minor']}" for u in uuids}, seen.raw
