@@ -195,7 +195,10 @@ class Daemon:
             self.faults.refresh()
 
     def _on_transition(self, record: dict) -> None:
-        """From the health thread: a GPU withdrawn or back; queued for the events."""
+        """From the health thread: a GPU withdrawn or back; queued for the events, and in
+        DRA mode for the slice's taints (published by DraMode's own thread)."""
+        if self.dra is not None:
+            self.dra.set_health(self.resources.health())
         faults = self.faults
         if faults is not None:
             faults.notify(record)
@@ -467,7 +470,10 @@ class Daemon:
         self.publisher.ready(self)
 
     def _publish(self) -> None:
-        """Tell systemd and status.json what changed; READY once every resource registered."""
+        """Tell systemd and status.json what changed; READY once every resource registered;
+        in DRA mode, the devices' health to the slice's taints."""
+        if self.dra is not None:
+            self.dra.set_health(self.resources.health())
         registered = self.registrar.status() if self.registrar is not None else {}
         count = sum(r.registrations for r in registered.values())
         if count != self._registrations and self.state is not None:

@@ -3,11 +3,13 @@
 Owns: reading what the node publishes (discovery's GPUs, their MIG devices, and what
 agent.nvml.identity adds) into agent.dra.slices' devices and the claims' view of them; the
 API client (agent.kubeconfig) and the node's name (agent.nodeName); publishing the
-ResourceSlice after each read (start, reload, NVML back), retried every RETRY_S while the API
-server refuses or does not answer (a thread that sleeps otherwise); and the kubelet plugin
+ResourceSlice after each read (start, reload, NVML back) and each change of the devices'
+health (by the `dra-slices` thread, at once), retried every RETRY_S while the API server
+refuses or does not answer (the thread sleeps otherwise); and the kubelet plugin
 (agent.dra.plugin, in agent.kubeletDir's plugins_registry and plugins directories) answering from agent.dra.claims, whose CDI specs go to the last of
-agent.cdiSpecDirs. Must not register device-plugin resources (agent.daemon starts no
-registrar in this mode) nor decide health.
+agent.cdiSpecDirs; and each device the health monitor withdraws tainted in the slice
+(agent.dra.slices.with_taints) until it is back. Must not register device-plugin resources
+(agent.daemon starts no registrar in this mode) nor decide health (the monitor does).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from agent.dra import slices
@@ -42,27 +46,66 @@ class DraMode:
         self.node = node_name(cfg.node_name)
         self.client = connect(cfg.kubeconfig)
         self.publisher = SlicePublisher(self.client, self.node)
-        self.devices: list[dict] = []
+        self.devices: list[dict] = []  # as published: with the taints
+        self._untainted: list[dict] = []  # as read
+        self.taints: dict[str, tuple[str, str]] = {}  # device name -> (reason, since)
+        self._withdrawn: dict[str, str] = {}  # device UUID -> reason, as the monitor says
         self.node_devices: dict[str, NodeDevice] = {}
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
                              cfg.driver_root)
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir, on_change=on_change)
         self.error = ""
-        self._lock = threading.Lock()  # one publication at a time (apply, the retry thread)
-        self._failed = threading.Event()
+        self._lock = threading.Lock()  # the devices and one publication at a time
+        self._due = threading.Event()  # a publication is wanted (a change, or a failure)
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def apply(self, gpus: list, cfg: Any) -> None:
-        """Read the devices of `gpus` and publish them; start the kubelet plugin (once)."""
-        self.devices, self.node_devices = _read(gpus, cfg.dev_root or cfg.driver_root)
+        """Read the devices of `gpus` and publish them (here: the daemon's start waits for
+        the first publication); start the kubelet plugin (once)."""
+        untainted, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root)
+        with self._lock:
+            self._untainted, self.node_devices = untainted, node_devices
+            self._taint()
         if self._thread is None:
             self.plugin.start()
             self._thread = threading.Thread(target=self._run, name="dra-slices", daemon=True)
             self._thread.start()
         if not self._publish():
-            self._failed.set()
+            self._due.set()
+
+    def set_health(self, health: Mapping[str, tuple[bool, str]]) -> None:
+        """The devices' health as the daemon advertises it (device ID -> (healthy, reason);
+        IDs are UUIDs, replicas "UUID::n"): a withdrawn device is tainted in the slice, a
+        device back is not. Returns at once: the `dra-slices` thread publishes the change
+        (this is called from the health monitor's thread as a GPU flips)."""
+        withdrawn: dict[str, str] = {}
+        for device_id, (healthy, reason) in health.items():
+            if not healthy:
+                withdrawn.setdefault(device_id.split("::")[0], reason)
+        with self._lock:
+            if withdrawn == self._withdrawn:
+                return
+            self._withdrawn = withdrawn
+            changed = self._taint()
+        if changed:
+            self._due.set()
+
+    def _taint(self) -> bool:
+        """The published devices from the read ones and the withdrawals (under the lock);
+        True if they changed."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        taints = {name: (self._withdrawn[d.uuid], self.taints.get(name, ("", now))[1])
+                  for name, d in self.node_devices.items() if d.uuid in self._withdrawn}
+        for name in taints.keys() - self.taints.keys():
+            log.warning("DRA device %s tainted %s: %s", name, slices.UNHEALTHY, taints[name][0])
+        for name in self.taints.keys() - taints.keys():
+            log.info("DRA device %s: taint %s removed (healthy again)", name, slices.UNHEALTHY)
+        devices = slices.with_taints(self._untainted, taints)
+        changed = devices != self.devices
+        self.taints, self.devices = taints, devices
+        return changed
 
     def _publish(self) -> bool:
         with self._lock:
@@ -80,26 +123,27 @@ class DraMode:
             return True
 
     def _run(self) -> None:
-        """Asleep until a publication fails; then a try every RETRY_S until one succeeds."""
+        """Asleep until a publication is wanted; after a failure, a try every RETRY_S until
+        one succeeds."""
         while True:
-            self._failed.wait()
-            self._failed.clear()
-            while self.error:
-                if self._stopped.wait(RETRY_S):
-                    return
-                self._publish()
+            self._due.wait()
+            self._due.clear()
             if self._stopped.is_set():
                 return
+            while not self._publish():
+                if self._stopped.wait(RETRY_S):
+                    return
 
     def status(self) -> dict:
         return {"driver": slices.DRIVER, "node": self.node, "devices": len(self.devices),
+                "tainted": {n: r for n, (r, _) in sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
                 "registered": self.plugin.registered,
                 "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values())}
 
     def stop(self) -> None:
         self._stopped.set()
-        self._failed.set()
+        self._due.set()
         self.plugin.stop()
         self.client.close()
 

@@ -307,7 +307,11 @@ def format_status(doc: dict) -> str:
                      f"its ResourceSlice (pool generation {r['sliceGeneration']}"
                      + (f"; not published: {r['error']}" if r["error"] else "") + "); kubelet "
                      + {True: "registered it", False: "refused it", None: "has not registered "
-                        "it yet"}[r["registered"]] + f"; {len(r['preparedClaims'])} claims "
+                        "it yet"}[r["registered"]]
+                     + ("; tainted: " + ", ".join(f"{n} ({why})" for n, why in
+                                                  r["tainted"].items())
+                        if r.get("tainted") else "")
+                     + f"; {len(r['preparedClaims'])} claims "
                      f"prepared" + (f": {', '.join(r['preparedClaims'])}"
                                     if r["preparedClaims"] else ""))
     if doc.get("cdi"):

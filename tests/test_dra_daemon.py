@@ -17,6 +17,7 @@ from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.daemon_harness import Node
 from tests.kube_api import KubeApi
@@ -87,3 +88,28 @@ def test_a_reload_does_not_switch_the_mode(node):
                    "'device-plugin' differs from the running 'dra'; a change of mode takes a "
                    f"restart (docs/dra.md) (file {config})")
     assert agent.stop() == 0
+
+
+def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
+    """KEP-5055: an XID's withdrawal taints that device (NoSchedule, the reason's XID as the
+    value), a new generation of the pool; its recovery removes the taint, nothing restarted."""
+    api = KubeApi(NODE)
+    agent = _start(node, api, "--mode", "dra", "--recovery-quiet-period", "1s")
+    gpu = GPUS[2]
+    control.inject_xid(node.ctl, gpu["index"], 48)  # a double-bit ECC error: reset class
+
+    def taints():
+        spec = api.slices[SLICE]["spec"]
+        return {d["name"]: d.get("taints") for d in spec["devices"] if d.get("taints")}
+
+    tainted = api.wait(taints, "the device tainted")
+    assert list(tainted) == [f"gpu-{gpu['minor']}"]
+    [taint] = tainted[f"gpu-{gpu['minor']}"]
+    assert (taint["key"], taint["value"], taint["effect"]) == (
+        "gpu.nvidia.com/unhealthy", "xid-48", "NoSchedule")
+    assert api.slices[SLICE]["spec"]["pool"]["generation"] == 2
+    status = node.status_when(lambda s: s["dra"]["tainted"], "the taint in the status")
+    assert list(status["dra"]["tainted"]) == [f"gpu-{gpu['minor']}"]
+    api.wait(lambda: not taints(), "the taint removed once the GPU is back")
+    assert api.slices[SLICE]["spec"]["pool"]["generation"] == 3
+    assert agent.alive()

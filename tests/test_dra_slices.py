@@ -116,3 +116,21 @@ def test_the_pcie_root_is_the_first_directory_under_sys_devices(tmp_path):
     os.symlink(real, links / "0000:3b:00.0")
     assert slices.pcie_root("0000:3b:00.0", str(tmp_path)) == "pci0000:3a"
     assert slices.pcie_root("0000:99:00.0", str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("reason, value", [
+    ("XID 79 (GPU has fallen off the bus): reboot the node", "xid-79"),
+    ("GPU is lost (NVML_ERROR_GPU_IS_LOST)", "gpu-is-lost-nvml-error-gpu-is-lost"),
+    ("", "unhealthy"),
+])
+def test_a_withdrawals_reason_becomes_a_label_value(reason, value):
+    assert slices.taint_value(reason) == value
+
+
+def test_only_the_withdrawn_devices_are_tainted_and_the_rest_are_left_as_they_were():
+    devices = [{"name": "gpu-0"}, {"name": "gpu-1"}]
+    tainted = slices.with_taints(devices, {"gpu-1": ("XID 48 (DBE)", "2026-11-29T02:00:00Z")})
+    assert tainted[0] is devices[0]
+    assert tainted[1]["taints"] == [{"key": "gpu.nvidia.com/unhealthy", "value": "xid-48",
+                                     "effect": "NoSchedule",
+                                     "timeAdded": "2026-11-29T02:00:00Z"}]

@@ -162,6 +162,27 @@ def node_devices(gpus: Sequence[Any], migs: Iterable[tuple[Any, Any]], shared: d
     return sorted(out, key=lambda d: d["name"])
 
 
+UNHEALTHY = f"{DRIVER}/unhealthy"  # the key of a withdrawn device's taint
+
+
+def taint_value(reason: str) -> str:
+    """A withdrawal's reason as a label value: "xid-79" for "XID 79 (...): ...", else its
+    words, lower case, dashed, at most 63 characters."""
+    match = re.match(r"XID (\d+)", reason)
+    if match:
+        return f"xid-{match.group(1)}"
+    return re.sub(r"[^a-z0-9]+", "-", reason.lower())[:63].strip("-") or "unhealthy"
+
+
+def with_taints(devices: list[dict], taints: dict[str, tuple[str, str]]) -> list[dict]:
+    """`devices` with a NoSchedule taint (KEP-5055) on each one named in `taints` (device
+    name -> (reason, since: RFC 3339 UTC, the time it was withdrawn)): the scheduler then
+    allocates it to no new claim; `timeAdded` stays the withdrawal's time on every write."""
+    return [{**d, "taints": [{"key": UNHEALTHY, "value": taint_value(taints[d["name"]][0]),
+                              "effect": "NoSchedule", "timeAdded": taints[d["name"]][1]}]}
+            if d["name"] in taints else d for d in devices]
+
+
 def slice_spec(node: str, devices: list[dict], generation: int) -> dict:
     """The spec of this node's one ResourceSlice (its pool named after the node)."""
     return {

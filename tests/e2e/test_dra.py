@@ -10,13 +10,15 @@ unprepares the claim and removes the spec."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import yaml
 
+from agent.sim import control
 from tests.e2e import images
 from tests.e2e.cluster import NODE, ROOT
-from tests.e2e.conftest import NS, profile_gpus
+from tests.e2e.conftest import NS, profile_gpus, write_result
 from tests.e2e.kube import ApiError, gpu_pod
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
@@ -117,3 +119,55 @@ def test_an_unchanged_pod_asking_nvidia_com_gpu_2_runs_through_dra(node, dra, k8
     uuids = seen.env["NVIDIA_VISIBLE_DEVICES"].split(",")
     assert len(uuids) == 2 and set(uuids) <= set(gpus), seen.raw
     assert seen.nodes == {f"nvidia{gpus[u]['minor']}" for u in uuids}, seen.raw
+
+
+def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra, k8s_version):
+    """KEP-5055 (device taints GA in 1.37): XID 79 on GPU 3 taints its device in the slice,
+    so a claim for all eight GPUs is not allocated; after the reboot (a new boot ID, the
+    agent started again) the taint is gone and the claim's pod runs."""
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
+        pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
+                    f"here): beta from 1.36, GA from 1.37")
+    boot_id = node.config("boot-1\n", "boot_id")
+    env = {"GPU_AGENT_BOOT_ID_FILE": boot_id}
+    gpu = profile_gpus()[3]
+    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
+                       node.cluster.kubelet_root, env=env)
+    name = f"{NODE}-{DRIVER}"
+    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
+    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+
+    start = time.monotonic()
+    control.inject_xid(agent.control, gpu["index"], 79)
+    tainted = node.api.wait_for(
+        f"{RESOURCE_API}/resourceslices/{name}",
+        lambda s: [d for d in s["spec"]["devices"] if d.get("taints")], "the device tainted")
+    write_result(node.results, "dra_xid79_to_slice_taint_s", round(time.monotonic() - start, 3))
+    assert [(d["name"], d["taints"][0]["value"], d["taints"][0]["effect"]) for d in tainted] == [
+        (f"gpu-{gpu['minor']}", "xid-79", "NoSchedule")]
+
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "all-gpus"},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": 8}}]}}})
+    pod = gpu_pod("all-gpus", NODE, None, images.BUSYBOX)
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "all-gpus"}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
+    node.pods.append("all-gpus")
+    node.wait_unschedulable("all-gpus")
+
+    agent.proc.stop()  # the reboot: the agent starts again and reads a new boot ID
+    node.config("boot-2\n", "boot_id")
+    node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
+               env=env)
+    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
+                      lambda s: not any(d.get("taints") for d in s["spec"]["devices"]),
+                      "the taint gone after the reboot")
+    node.wait_running("all-gpus")
+    assert len(node.seen("all-gpus").nodes) == 8
