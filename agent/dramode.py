@@ -54,7 +54,10 @@ class DraMode:
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
                              cfg.driver_root)
-        self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir, on_change=on_change)
+        self.on_change = on_change
+        self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
+                                on_change=self._plugin_changed)
+        self._registered = False
         self.error = ""
         self._lock = threading.Lock()  # the devices and one publication at a time
         self._due = threading.Event()  # a publication is wanted (a change, or a failure)
@@ -74,6 +77,17 @@ class DraMode:
             self._thread.start()
         if not self._publish():
             self._due.set()
+
+    def _plugin_changed(self) -> None:
+        """A registration status or a call: on each new registration the slice is read and
+        published again (kubelet may have deleted it while the plugin was unregistered)."""
+        registered = self.plugin.registered is True
+        if registered and not self._registered:
+            with self._lock:
+                self.publisher.forget()
+            self._due.set()
+        self._registered = registered
+        self.on_change()
 
     def set_health(self, health: Mapping[str, tuple[bool, str]]) -> None:
         """The devices' health as the daemon advertises it (device ID -> (healthy, reason);

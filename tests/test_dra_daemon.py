@@ -113,3 +113,20 @@ def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
     api.wait(lambda: not taints(), "the taint removed once the GPU is back")
     assert api.slices[SLICE]["spec"]["pool"]["generation"] == 3
     assert agent.alive()
+
+
+def test_a_slice_kubelet_deleted_is_published_again_at_the_next_registration(node):
+    """kubelet deletes a driver's slices a while after its plugin goes (a restart of the
+    agent re-creates the sockets); each new registration reads the slice again."""
+    api = KubeApi(NODE)
+    _start(node, api)
+    with _channel(node.path("plugins_registry/gpu.nvidia.com-reg.sock")) as ch:
+        stub = reg_grpc.RegistrationStub(ch)
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
+        with api._cv:
+            del api.slices[SLICE]  # as kubelet cleans up after an unregistered driver
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=False,
+                                                             error="restarting"), timeout=10)
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
+    api.wait(lambda: SLICE in api.slices, "the slice published again")
+    assert len(api.slices[SLICE]["spec"]["devices"]) == len(GPUS)

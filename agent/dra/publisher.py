@@ -69,6 +69,12 @@ class SlicePublisher:
                  generation)
         return True
 
+    def forget(self) -> None:
+        """Read the slice again before the next write: kubelet deletes a driver's slices
+        some time after the driver goes (its plugin unregistered), so after a registration
+        the slice may be gone."""
+        self._held = None
+
     def _read(self) -> dict:
         """The slice the API server holds ({} when there is none). Listed by the node's name,
         not read by its own: the Node authorizer lets a node's identity list the slices of

@@ -171,3 +171,28 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
                       "the taint gone after the reboot")
     node.wait_running("all-gpus")
     assert len(node.seen("all-gpus").nodes) == 8
+
+
+def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
+    """A claim for two GPUs chosen by a CEL selector on productName (an attribute NVIDIA's
+    driver publishes): the container has both GPUs' nodes and UUIDs."""
+    gpus = {g["uuid"]: g for g in profile_gpus()}
+    _dra_agent(node)
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+    product = next(iter(gpus.values()))["name"]
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "two-by-name"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": DRIVER, "count": 2, "selectors": [{"cel": {
+                "expression": f"device.attributes['{DRIVER}'].productName == '{product}'"}}]}}]}}})
+    pod = gpu_pod("two-by-name", NODE, None, images.BUSYBOX)
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "two-by-name"}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
+    node.pods.append("two-by-name")
+    node.wait_running("two-by-name")
+    seen = node.seen("two-by-name")
+    uuids = seen.env["NVIDIA_VISIBLE_DEVICES"].split(",")
+    assert len(uuids) == 2 and seen.nodes == {f"nvidia{gpus[u]['minor']}" for u in uuids}
