@@ -67,7 +67,12 @@ def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdi
             registrar.serve({RESOURCE_GPU: ResourceManager(RESOURCE_GPU, DGX, ResponseOptions())})
             client.wait_for(lambda s: s.restarts == 1 and _registered_with_eight(s), WAIT,
                             what="registration with the kubelet that started")
-            assert registrar.status()[RESOURCE_GPU].registered
+            # kubelet has the stream once it dialled back, a moment before the registrar has
+            # Register's answer: wait for that too, not just look
+            deadline = time.monotonic() + WAIT
+            while not registrar.status()[RESOURCE_GPU].registered:
+                assert time.monotonic() < deadline, "the registrar never saw Register answered"
+                time.sleep(0.01)
         finally:
             registrar.stop()
         assert len(kubelet_starts) == 1

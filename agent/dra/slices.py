@@ -64,11 +64,10 @@ def pcie_root(bus_id: str, sys_root: str = "/sys") -> str | None:
     """The PCIe root complex of the device at `bus_id` ("0000:3b:00.0") as Kubernetes'
     deviceattribute.GetPCIeRootAttributeByPCIBusID reads it: the first directory under
     /sys/devices of the device's sysfs path ("pci0000:3a"); None when sysfs does not say."""
-    try:
-        target = os.path.realpath(os.path.join(sys_root, "bus/pci/devices", bus_id),
-                                  strict=True)
-    except OSError:
+    link = os.path.join(sys_root, "bus/pci/devices", bus_id)
+    if not os.path.exists(link):
         return None
+    target = os.path.realpath(link)
     devices = os.path.join(os.path.realpath(sys_root), "devices") + os.sep
     if not target.startswith(devices):
         return None
