@@ -38,7 +38,18 @@ def dra(node):
         made.append(f"{path}/{body['metadata']['name']}")
 
     yield create
-    node.delete_pods()
+    # deleted as kubectl deletes (kubelet stops the containers, then unprepares the claims),
+    # and every claim unprepared before the node fixture stops the agents: a claim kubelet
+    # could not unprepare would keep its pod in kubelet's hands through the later tests
+    for name in node.pods:
+        api.delete(f"/api/v1/namespaces/{NS}/pods/{name}")
+    for name in node.pods:
+        api.wait_gone(f"/api/v1/namespaces/{NS}/pods/{name}", timeout=90)
+    node.pods = []
+    for agent in node.agents:
+        if agent.proc.alive():
+            agent.status_when(lambda s: not (s.get("dra") or {}).get("preparedClaims"),
+                              "every claim unprepared")
     for path in reversed(made):
         api.delete(path)
     try:  # the agent's slice outlives it (owned by the Node): the next test starts clean
@@ -48,9 +59,15 @@ def dra(node):
         print(f"cleanup: slices not deleted: {exc}")
 
 
+# the fault events and the GPUHealthy condition are test_events.py's: the Node's events of
+# these tests would be found there
+QUIET = ("--fault-events", "false", "--node-condition", "false")
+
+
 def _dra_agent(node):
     """The agent in DRA mode, its slice published and its plugin registered by kubelet."""
-    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root)
+    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
+                       *QUIET)
     name = f"{NODE}-{DRIVER}"
     try:
         published = node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
@@ -132,7 +149,7 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
     env = {"GPU_AGENT_BOOT_ID_FILE": boot_id}
     gpu = profile_gpus()[3]
     agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
-                       node.cluster.kubelet_root, env=env)
+                       node.cluster.kubelet_root, *QUIET, env=env)
     name = f"{NODE}-{DRIVER}"
     node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
     agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
@@ -165,7 +182,7 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
     agent.proc.stop()  # the reboot: the agent starts again and reads a new boot ID
     node.config("boot-2\n", "boot_id")
     node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
-               env=env)
+               *QUIET, env=env)
     node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
                       lambda s: not any(d.get("taints") for d in s["spec"]["devices"]),
                       "the taint gone after the reboot")
