@@ -83,6 +83,26 @@ def _dra_agent(node):
     return agent, published
 
 
+def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1,
+                    selector: str = "") -> None:
+    """ResourceClaim `claim` asking `count` devices of the class gpu.nvidia.com (those
+    `selector`, a CEL expression, admits) and pod `pod` using it in its one container."""
+    exactly: dict = {"deviceClassName": DRIVER}
+    if count != 1:
+        exactly["count"] = count
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": claim},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})
+    body = gpu_pod(pod, NODE, None, images.BUSYBOX)
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
+    node.pods.append(pod)
+
+
 def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
     gpus = {g["minor"]: g for g in profile_gpus()}
     agent, published = _dra_agent(node)
@@ -91,16 +111,7 @@ def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
         f"gpu-{m}" for m in gpus)
     for c in CLASSES:
         dra(f"{RESOURCE_API}/deviceclasses", c)
-    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": "one-gpu"},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
-    pod = gpu_pod("with-claim", NODE, None, images.BUSYBOX)
-    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "one-gpu"}]
-    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
-    node.pods.append("with-claim")
+    _pod_with_claim(node, dra, "with-claim", "one-gpu")
     node.wait_running("with-claim")
 
     claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/one-gpu")
@@ -167,16 +178,7 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
 
     node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
                       "the default service account")
-    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": "all-gpus"},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": 8}}]}}})
-    pod = gpu_pod("all-gpus", NODE, None, images.BUSYBOX)
-    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "all-gpus"}]
-    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
-    node.pods.append("all-gpus")
+    _pod_with_claim(node, dra, "all-gpus", "all-gpus", count=8)
     node.wait_unschedulable("all-gpus")
 
     agent.proc.stop()  # the reboot: the agent starts again and reads a new boot ID
@@ -198,17 +200,8 @@ def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
     for c in CLASSES:
         dra(f"{RESOURCE_API}/deviceclasses", c)
     product = next(iter(gpus.values()))["name"]
-    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": "two-by-name"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": DRIVER, "count": 2, "selectors": [{"cel": {
-                "expression": f"device.attributes['{DRIVER}'].productName == '{product}'"}}]}}]}}})
-    pod = gpu_pod("two-by-name", NODE, None, images.BUSYBOX)
-    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "two-by-name"}]
-    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", pod)
-    node.pods.append("two-by-name")
+    _pod_with_claim(node, dra, "two-by-name", "two-by-name", count=2,
+                    selector=f"device.attributes['{DRIVER}'].productName == '{product}'")
     node.wait_running("two-by-name")
     seen = node.seen("two-by-name")
     uuids = seen.env["NVIDIA_VISIBLE_DEVICES"].split(",")
