@@ -258,16 +258,16 @@ class PluginServer:
         except FileNotFoundError:
             return False
 
-    def register(self, kubelet_socket: str, timeout: float = REGISTER_TIMEOUT_S) -> None:
-        """Register this endpoint with the kubelet at `kubelet_socket`, which dials us back
-        before it answers; RegistrationError on failure, and at once when our socket is removed
-        meanwhile (a kubelet starting wipes it: its dial would back off for seconds)."""
+    def register(self, channel: grpc.Channel, kubelet_socket: str,
+                 timeout: float = REGISTER_TIMEOUT_S) -> None:
+        """Register this endpoint over `channel`, connected to the kubelet at `kubelet_socket`,
+        which dials us back before it answers; RegistrationError on failure, and at once when
+        our socket is removed meanwhile (a kubelet starting wipes it: its dial would back off
+        for seconds)."""
         request = dp.RegisterRequest(version=VERSION, endpoint=self.endpoint,
                                      resource_name=self.resource, options=self.options)
         with self._lock:  # before the call: kubelet may open its stream before it answers
             self._opened_since_register = 0
-        channel = grpc.insecure_channel(f"unix:{kubelet_socket}",
-                                        options=[("grpc.enable_http_proxy", 0)])
         answered = threading.Event()
         call = dp_grpc.RegistrationStub(channel).Register.future(request, timeout=timeout)
         call.add_done_callback(lambda _: answered.set())
@@ -282,8 +282,6 @@ class PluginServer:
             raise RegistrationError(
                 f"registering {self.resource} with kubelet at {kubelet_socket} failed: "
                 f"{exc.code().name}: {exc.details()}") from None
-        finally:
-            channel.close()
 
     def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams end) and remove our socket if it is still ours."""

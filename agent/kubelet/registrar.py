@@ -31,9 +31,11 @@ import time
 from collections.abc import Mapping
 from typing import Callable, NamedTuple
 
+import grpc
+
 from agent.dirwatch import DIR_GONE, DirWatch
 from agent.errors import AgentError, RegistrationError
-from agent.kubelet.plugin import PluginServer
+from agent.kubelet.plugin import REGISTER_TIMEOUT_S, PluginServer
 from agent.rm.manager import ResourceManager
 from agent.signals import drain
 
@@ -58,6 +60,24 @@ def kubelet_identity(path: str) -> Identity | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+# A method kubelet does not serve: its answer, UNIMPLEMENTED (the gRPC spec's status for an
+# unknown method), says the channel is connected to a kubelet listening on kubelet.sock.
+_PROBE = "/v1beta1.Registration/Connected"
+
+
+def _connect(channel: grpc.Channel, resource: str, kubelet_socket: str) -> str:
+    """Connect `channel` (to kubelet.sock) by a call kubelet answers UNIMPLEMENTED; "" once
+    connected, else why not (nobody listens: UNAVAILABLE at once)."""
+    try:
+        channel.unary_unary(_PROBE)(b"", timeout=REGISTER_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        return f"registering {resource} with kubelet at {kubelet_socket} failed: " \
+               f"{exc.code().name}: {exc.details()}"
+    return ""
 
 
 class ResourceStatus(NamedTuple):
@@ -324,24 +344,36 @@ class Registrar:
             log.debug("%s: server stopped (%s)", p.manager.resource, why)
 
     def _register(self, name: str, p: _Plugin, kubelet: Identity) -> None:
-        # Looked at again right before the call: a kubelet starting meanwhile wipes the
-        # directory, and kubelet would then dial a socket that is gone and wait on it for
-        # seconds. The next pass serves it again first.
-        if not p.server.owns_socket():
-            log.debug("%s: our socket went away just before registering; serving it first",
-                      name)
-            self._wake()
-            return
+        # kubelet dials our socket when it gets Register, and a kubelet starting wipes the
+        # directory before it listens. So the connection comes first, then our socket and
+        # kubelet.sock are looked at again: the instance seen before connecting is still
+        # there, so it wiped before it listened, and our socket outlived that. Looked at before
+        # connecting (as up to 0575db6), a kubelet starting in between got our Register and
+        # dialled a socket it had removed, then waited on its reconnect backoff (about 1 s).
+        channel = grpc.insecure_channel(f"unix:{self.kubelet_socket}",
+                                        options=[("grpc.enable_http_proxy", 0)])
         try:
-            p.server.register(self.kubelet_socket)
-        except RegistrationError as exc:
-            if not p.server.owns_socket():  # a kubelet started meanwhile: serve, then register
-                log.info("%s: %s; serving it again", name, exc)
+            error = _connect(channel, name, self.kubelet_socket)
+            if not error and kubelet_identity(self.kubelet_socket) != kubelet:
+                log.debug("%s: kubelet restarted while we connected; registering with the "
+                          "new one", name)
                 self._wake()
                 return
-            delay = self._failed(p, kubelet, str(exc))
+            if not error and p.server.owns_socket():
+                p.server.register(channel, self.kubelet_socket)
+        except RegistrationError as exc:
+            error = str(exc)
+        finally:
+            channel.close()
+        if not p.server.owns_socket():  # a kubelet started meanwhile: serve, then register
+            log.info("%s: our socket %s went away while registering; serving it again", name,
+                     p.server.path)
+            self._wake()
+            return
+        if error:
+            delay = self._failed(p, kubelet, error)
             level = log.warning if p.backoff <= RETRY_FIRST_S * 2 else log.debug
-            level("%s; retrying in %g s", exc, delay)
+            level("%s; retrying in %g s", error, delay)
             return
         with self._lock:
             # The instance seen before the call: if kubelet restarted during it, the identity
