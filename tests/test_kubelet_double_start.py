@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from agent.kubelet import registrar as registrar_module
 from agent.kubelet.plugin import PluginServer
 from agent.kubelet.registrar import Registrar
 from agent.rm.allocate import ResponseOptions
@@ -78,6 +79,34 @@ def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdi
         assert len(kubelet_starts) == 1
         # kubelet never dialled a socket the start had removed (it would have waited on gRPC's
         # reconnect backoff, and the registrar with it)
+        assert kubelet.failed_dials() == []
+        assert client.registrations_per_instance(GPU) == {1: 1}
+
+
+def test_a_kubelet_start_between_our_look_and_the_connection_is_waited_out(kdir, monkeypatch):
+    """The registrar connects to kubelet.sock before it looks at its socket: a kubelet start
+    landing right before the connection (it wipes our socket, then listens) gets no Register
+    until our socket is served again. Up to 0575db6 the look came first, and this kubelet
+    got the Register and dialled a socket it had removed (CI, one round in a hundred)."""
+    connect = registrar_module._connect
+    kubelet_starts = []
+
+    def a_kubelet_starts_then_connect(*args):
+        if not kubelet_starts:
+            kubelet_starts.append(kubelet.restart())
+        return connect(*args)
+
+    monkeypatch.setattr(registrar_module, "_connect", a_kubelet_starts_then_connect)
+    with SimKubelet(kdir) as kubelet, SimKubeletClient(kdir) as client:
+        registrar = Registrar(kubelet.kubelet_socket)
+        registrar.start()
+        try:
+            registrar.serve({RESOURCE_GPU: ResourceManager(RESOURCE_GPU, DGX, ResponseOptions())})
+            client.wait_for(lambda s: s.restarts == 1 and _registered_with_eight(s), WAIT,
+                            what="registration with the kubelet that started")
+        finally:
+            registrar.stop()
+        assert len(kubelet_starts) == 1
         assert kubelet.failed_dials() == []
         assert client.registrations_per_instance(GPU) == {1: 1}
 
