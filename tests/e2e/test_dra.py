@@ -10,6 +10,7 @@ unprepares the claim and removes the spec."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -206,3 +207,54 @@ def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
     seen = node.seen("two-by-name")
     uuids = seen.env["NVIDIA_VISIBLE_DEVICES"].split(",")
     assert len(uuids) == 2 and seen.nodes == {f"nvidia{gpus[u]['minor']}" for u in uuids}
+
+
+@pytest.mark.parametrize("kubelet_restarted", ["while the agent is dead", "after the agent"])
+def test_a_claim_prepared_before_an_agent_sigkill_and_a_kubelet_restart_is_unprepared_once(
+        node, dra, kubelet_restarted):
+    """The agent killed with SIGKILL while its claim's pod runs, and kubelet restarted, either
+    while the agent is dead (it finds the dead agent's registration socket) or after the agent
+    was started again (systemd's Restart=): deleting the pod has the new agent unprepare the
+    claim, from its record, exactly once, and the CDI spec is gone."""
+    agent, _ = _dra_agent(node)
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+    _pod_with_claim(node, dra, "outlives", "outlives")
+    node.wait_running("outlives")
+    claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/outlives")
+    spec = os.path.join(node.cluster.cdi_dir,
+                        f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.json")
+    agent.status_when(lambda s: s["dra"]["preparedClaims"], "the prepared claim")
+
+    cluster = node.cluster
+
+    def restart_kubelet() -> None:
+        cluster.procs["kubelet"].stop()
+        cluster.start_kubelet()
+        cluster.wait_node_ready()
+
+    agent.proc.stop(signal.SIGKILL)
+    if kubelet_restarted == "while the agent is dead":
+        restart_kubelet()
+    again = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", cluster.kubelet_root,
+                       *QUIET)
+    if kubelet_restarted == "after the agent":
+        again.status_when(lambda s: (s.get("dra") or {}).get("registered"),
+                          "kubelet registering the restarted agent's plugin")
+        restart_kubelet()
+    again.status_when(lambda s: (s.get("dra") or {}).get("registered"),
+                      "kubelet registering the restarted agent's plugin")
+    assert again.status()["dra"]["preparedClaims"] == [f"{NS}/outlives"]  # from its record
+    assert os.path.exists(spec)
+    node.wait_running("outlives")  # the container kept through both restarts
+
+    start = time.monotonic()
+    node.api.delete(f"/api/v1/namespaces/{NS}/pods/outlives")
+    again.status_when(lambda s: not s["dra"]["preparedClaims"], "the claim unprepared",
+                      timeout=120)
+    write_result(node.results, f"dra_pod_deleted_to_unprepared_after_agent_kill_kubelet_"
+                 f"restart_{kubelet_restarted.replace(' ', '_')}_s",
+                 round(time.monotonic() - start, 3))
+    assert not os.path.exists(spec)
+    unprepared = f"claim {NS}/outlives ({claim['metadata']['uid']}) unprepared"
+    assert again.log().count(unprepared) == 1  # both processes write the same log
