@@ -258,3 +258,87 @@ def test_a_claim_prepared_before_an_agent_sigkill_and_a_kubelet_restart_is_unpre
     assert not os.path.exists(spec)
     unprepared = f"claim {NS}/outlives ({claim['metadata']['uid']}) unprepared"
     assert again.log().count(unprepared) == 1  # both processes write the same log
+
+
+def _wait_prepare_failed(node, pod: str, reason: str) -> str:
+    """The message of kubelet's FailedPrepareDynamicResources event for `pod` (as `kubectl
+    describe pod` shows it) that has `reason` in it: kubelet tries again, and an attempt
+    before the test finished setting the claim up has a reason of its own."""
+    uid = node.pod(pod)["metadata"]["uid"]
+    deadline = time.monotonic() + 90
+    seen: list[str] = []
+    while time.monotonic() < deadline:
+        seen = [e["message"] for e in node.events("Pod", pod, uid,
+                                                  "FailedPrepareDynamicResources")]
+        if any(reason in m for m in seen):
+            return next(m for m in seen if reason in m)
+        time.sleep(0.2)
+    raise AssertionError(f"no FailedPrepareDynamicResources event for {pod} saying {reason!r}"
+                         f" (seen: {seen})\n{node.logs(40)}")
+
+
+def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
+    """A claim carrying an opaque config for gpu.nvidia.com the agent does not know, and one
+    whose allocation names a device this node does not publish (written by hand into the
+    claim's status, as a broken controller could): kubelet's event on each pod says why,
+    nothing is prepared for them, and a good claim runs beside them."""
+    agent, _ = _dra_agent(node)
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
+    dra(claims, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "unknown-config"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "NoSuchConfig"}}}]}}})
+    body = gpu_pod("unknown-config", NODE, None, images.BUSYBOX)
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "unknown-config"}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
+    node.pods.append("unknown-config")
+
+    # a claim allocated by hand to gpu-99 of this node's pool and reserved for its pod, which
+    # waits at a scheduling gate until then (kubelet's first attempt meets the whole claim)
+    dra(claims, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                 "metadata": {"name": "missing-device"},
+                 "spec": {"devices": {"requests": [
+                     {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
+    body = gpu_pod("missing-device", NODE, None, images.BUSYBOX)
+    body["spec"]["schedulingGates"] = [{"name": "gpu-agent.test/claim-allocated"}]
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "missing-device"}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    made = node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
+    node.pods.append("missing-device")
+    node.api.request("PATCH", f"{claims}/missing-device/status", {"status": {
+        "allocation": {
+            "devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-99"}]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
+        "reservedFor": [{"resource": "pods", "name": "missing-device",
+                         "uid": made["metadata"]["uid"]}]}},
+        content_type="application/merge-patch+json")
+    node.api.request("PATCH", f"/api/v1/namespaces/{NS}/pods/missing-device",
+                     {"spec": {"schedulingGates": []}},
+                     content_type="application/merge-patch+json")
+
+    # the first line of the error the agent answers, as kubelet's event on the pod shows it
+    _wait_prepare_failed(node, "unknown-config",
+                         f"NodePrepareResources failed for ResourceClaim unknown-config: claim "
+                         f"{NS}/unknown-config: opaque config resource.nvidia.com/v1beta1 "
+                         f"NoSuchConfig for {DRIVER} is not supported")
+    _wait_prepare_failed(node, "missing-device",
+                         f"NodePrepareResources failed for ResourceClaim missing-device: claim "
+                         f"{NS}/missing-device asks for device gpu-99 of pool {NODE}, which "
+                         f"node {NODE} does not have")
+
+    # nothing made for them, and the agent goes on preparing good claims
+    assert not [f for f in os.listdir(node.cluster.cdi_dir) if "claim_" in f]
+    _pod_with_claim(node, dra, "good", "good")
+    node.wait_running("good")
+    status = agent.status_when(lambda s: s["dra"]["preparedClaims"], "the good claim")
+    assert status["dra"]["preparedClaims"] == [f"{NS}/good"]
+    for pod in ("unknown-config", "missing-device"):
+        assert node.pod(pod)["status"]["phase"] == "Pending"
