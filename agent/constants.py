@@ -19,6 +19,9 @@ NVML_SONAME = "libnvidia-ml.so.1"
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet"  # kubelet's --root-dir
 # agent.mode: what the agent serves kubelet (the first is the default)
 MODES = ("device-plugin", "dra")
+# agent.draRebootTaint: the taint effects (KEP-5055) a reboot-class fault may get in dra mode
+# (the first is the default); every other withdrawal is NoSchedule
+REBOOT_TAINT_EFFECTS = ("NoExecute", "NoSchedule")
 MIG_STRATEGIES = ("none", "single", "mixed")
 DEFAULT_MIG_STRATEGY = "none"
 

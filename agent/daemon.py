@@ -198,10 +198,13 @@ class Daemon:
         """From the health thread: a GPU withdrawn or back; queued for the events, and in
         DRA mode for the slice's taints (published by DraMode's own thread)."""
         if self.dra is not None:
-            self.dra.set_health(self.resources.health())
+            self.dra.set_health(self.resources.health(), self._reboot_needed())
         faults = self.faults
         if faults is not None:
             faults.notify(record)
+
+    def _reboot_needed(self) -> set[str]:
+        return self.health.reboot_needed() if self.health is not None else set()
 
     def held_by(self, ids: list[str]) -> list[str]:
         """namespace/pod/container of the containers holding any of device `ids`, as the
@@ -473,7 +476,7 @@ class Daemon:
         """Tell systemd and status.json what changed; READY once every resource registered;
         in DRA mode, the devices' health to the slice's taints."""
         if self.dra is not None:
-            self.dra.set_health(self.resources.health())
+            self.dra.set_health(self.resources.health(), self._reboot_needed())
         registered = self.registrar.status() if self.registrar is not None else {}
         count = sum(r.registrations for r in registered.values())
         if count != self._registrations and self.state is not None:

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Callable
 
 from agent.dra import slices
@@ -48,8 +48,10 @@ class DraMode:
         self.publisher = SlicePublisher(self.client, self.node)
         self.devices: list[dict] = []  # as published: with the taints
         self._untainted: list[dict] = []  # as read
-        self.taints: dict[str, tuple[str, str]] = {}  # device name -> (reason, since)
-        self._withdrawn: dict[str, str] = {}  # device UUID -> reason, as the monitor says
+        self.taints: dict[str, tuple[str, str, str]] = {}  # name -> (reason, since, effect)
+        # device UUID -> (reason, needs a reboot), as the monitor says
+        self._withdrawn: dict[str, tuple[str, bool]] = {}
+        self.reboot_effect = cfg.dra_reboot_taint
         self.node_devices: dict[str, NodeDevice] = {}
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
@@ -70,6 +72,7 @@ class DraMode:
         untainted, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root)
         with self._lock:
             self._untainted, self.node_devices = untainted, node_devices
+            self.reboot_effect = cfg.dra_reboot_taint  # a reload may change it
             self._taint()
         if self._thread is None:
             self.plugin.start()
@@ -89,15 +92,19 @@ class DraMode:
         self._registered = registered
         self.on_change()
 
-    def set_health(self, health: Mapping[str, tuple[bool, str]]) -> None:
+    def set_health(self, health: Mapping[str, tuple[bool, str]],
+                   reboot_needed: Collection[str] = ()) -> None:
         """The devices' health as the daemon advertises it (device ID -> (healthy, reason);
-        IDs are UUIDs, replicas "UUID::n"): a withdrawn device is tainted in the slice, a
-        device back is not. Returns at once: the `dra-slices` thread publishes the change
-        (this is called from the health monitor's thread as a GPU flips)."""
-        withdrawn: dict[str, str] = {}
+        IDs are UUIDs, replicas "UUID::n"; `reboot_needed`: the IDs whose fault only a
+        reboot ends): a withdrawn device is tainted in the slice (agent.draRebootTaint's
+        effect for the reboot class, NoSchedule otherwise), a device back is not. Returns at
+        once: the `dra-slices` thread publishes the change (this is called from the health
+        monitor's thread as a GPU flips)."""
+        withdrawn: dict[str, tuple[str, bool]] = {}
         for device_id, (healthy, reason) in health.items():
             if not healthy:
-                withdrawn.setdefault(device_id.split("::")[0], reason)
+                withdrawn.setdefault(device_id.split("::")[0],
+                                     (reason, device_id in reboot_needed))
         with self._lock:
             if withdrawn == self._withdrawn:
                 return
@@ -110,10 +117,15 @@ class DraMode:
         """The published devices from the read ones and the withdrawals (under the lock);
         True if they changed."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        taints = {name: (self._withdrawn[d.uuid], self.taints.get(name, ("", now))[1])
-                  for name, d in self.node_devices.items() if d.uuid in self._withdrawn}
+        taints = {}
+        for name, d in self.node_devices.items():
+            if d.uuid in self._withdrawn:
+                reason, reboot = self._withdrawn[d.uuid]
+                since = self.taints[name][1] if name in self.taints else now
+                taints[name] = (reason, since, self.reboot_effect if reboot else "NoSchedule")
         for name in taints.keys() - self.taints.keys():
-            log.warning("DRA device %s tainted %s: %s", name, slices.UNHEALTHY, taints[name][0])
+            log.warning("DRA device %s tainted %s:%s: %s", name, slices.UNHEALTHY,
+                        taints[name][2], taints[name][0])
         for name in self.taints.keys() - taints.keys():
             log.info("DRA device %s: taint %s removed (healthy again)", name, slices.UNHEALTHY)
         devices = slices.with_taints(self._untainted, taints)
@@ -150,7 +162,8 @@ class DraMode:
 
     def status(self) -> dict:
         return {"driver": slices.DRIVER, "node": self.node, "devices": len(self.devices),
-                "tainted": {n: r for n, (r, _) in sorted(self.taints.items())},
+                "tainted": {n: f"{r} ({effect})" for n, (r, _, effect) in
+                            sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
                 "registered": self.plugin.registered,
                 "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values())}

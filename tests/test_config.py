@@ -120,6 +120,8 @@ def test_defaults_follow_nvidia():
 # Each layer's value differs from the one below it, so the winner is always visible.
 PRECEDENCE = {
     "mode": ("dra", "device-plugin", "dra", ("dra", "device-plugin", "dra")),
+    "dra_reboot_taint": ("NoSchedule", "NoExecute", "NoSchedule",
+                         ("NoSchedule", "NoExecute", "NoSchedule")),
     "kubelet_dir": ("/srv/kubelet", "/env/kubelet", "/flag/kubelet",
                     ("/srv/kubelet", "/env/kubelet", "/flag/kubelet")),
     "mig_strategy": ("single", "mixed", "single", ("single", "mixed", "single")),

@@ -115,6 +115,37 @@ def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
     assert agent.alive()
 
 
+def test_a_reboot_class_fault_taints_no_execute_unless_configured_otherwise(node):
+    """XID 79 (the GPU fell off the bus: only a reboot ends it) taints its device NoExecute,
+    which evicts the pods using it; XID 48 (reset class) NoSchedule. agent.draRebootTaint
+    NoSchedule, reloaded, turns the first into NoSchedule too, the withdrawal's time kept."""
+    api = KubeApi(NODE)
+    config = node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n")
+    agent = _start(node, api, "--config", config)
+    reboot, reset = GPUS[1], GPUS[2]
+    control.inject_xid(node.ctl, reboot["index"], 79)
+    control.inject_xid(node.ctl, reset["index"], 48)
+
+    def taints():
+        spec = api.slices[SLICE]["spec"]
+        return {d["name"]: d["taints"][0] for d in spec["devices"] if d.get("taints")}
+
+    tainted = api.wait(lambda: len(taints()) == 2 and taints(), "both devices tainted")
+    first = tainted[f"gpu-{reboot['minor']}"]
+    assert (first["value"], first["effect"]) == ("xid-79", "NoExecute")
+    assert (tainted[f"gpu-{reset['minor']}"]["value"],
+            tainted[f"gpu-{reset['minor']}"]["effect"]) == ("xid-48", "NoSchedule")
+    status = node.status_when(lambda s: len(s["dra"]["tainted"]) == 2, "both in the status")
+    assert status["dra"]["tainted"][f"gpu-{reboot['minor']}"].endswith("(NoExecute)")
+
+    node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n  draRebootTaint: NoSchedule\n")
+    agent.send(signal.SIGHUP)
+    now = api.wait(lambda: taints().get(f"gpu-{reboot['minor']}", {}).get("effect")
+                   == "NoSchedule" and taints(), "the reboot-class taint NoSchedule")
+    assert now[f"gpu-{reboot['minor']}"]["timeAdded"] == first["timeAdded"]
+    assert agent.alive()
+
+
 def test_a_slice_kubelet_deleted_is_published_again_at_the_next_registration(node):
     """kubelet deletes a driver's slices a while after its plugin goes (a restart of the
     agent re-creates the sockets); each new registration reads the slice again."""

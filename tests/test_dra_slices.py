@@ -129,7 +129,8 @@ def test_a_withdrawals_reason_becomes_a_label_value(reason, value):
 
 def test_only_the_withdrawn_devices_are_tainted_and_the_rest_are_left_as_they_were():
     devices = [{"name": "gpu-0"}, {"name": "gpu-1"}]
-    tainted = slices.with_taints(devices, {"gpu-1": ("XID 48 (DBE)", "2026-11-29T02:00:00Z")})
+    tainted = slices.with_taints(devices, {"gpu-1": ("XID 48 (DBE)", "2026-11-29T02:00:00Z",
+                                                     "NoSchedule")})
     assert tainted[0] is devices[0]
     assert tainted[1]["taints"] == [{"key": "gpu.nvidia.com/unhealthy", "value": "xid-48",
                                      "effect": "NoSchedule",

@@ -82,6 +82,7 @@ class Config(NamedTuple):
     config_file: str | None
     mode: str
     kubelet_dir: str
+    dra_reboot_taint: str
     mig_strategy: str
     fail_on_init_error: bool
     driver_root: str

@@ -225,6 +225,7 @@ SCHEMA: dict = {
         "nvmlLibrary": OPTION,
         "mode": OPTION,
         "kubeletDir": OPTION,
+        "draRebootTaint": OPTION,
         "mpsControl": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,

@@ -68,6 +68,7 @@ from agent.constants import (
     MPS_CONTROL,
     NAMED_CONFIG_FALLBACK,
     NVML_SONAME,
+    REBOOT_TAINT_EFFECTS,
     REPLICA_ALLOCATION_POLICIES,
     XID_POLICIES,
 )
@@ -109,6 +110,13 @@ OPTIONS: tuple[Option, ...] = (
         PathKind(), DEFAULT_KUBELET_DIR,
         "kubelet's root directory (its --root-dir): in dra mode the DRA plugin's sockets go "
         "in its plugins_registry and plugins directories",
+    ),
+    Option(
+        "dra_reboot_taint", "--dra-reboot-taint", "GPU_AGENT_DRA_REBOOT_TAINT",
+        "agent.draRebootTaint", ChoiceKind(*REBOOT_TAINT_EFFECTS), REBOOT_TAINT_EFFECTS[0],
+        "in dra mode, the effect of the taint on a device withdrawn for a fault only a reboot "
+        "ends (XID 79, docs/health.md): NoExecute evicts the pods using it, NoSchedule only "
+        "keeps new claims off it; every other withdrawal taints NoSchedule",
     ),
     Option(
         "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",

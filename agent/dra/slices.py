@@ -173,12 +173,14 @@ def taint_value(reason: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", reason.lower())[:63].strip("-") or "unhealthy"
 
 
-def with_taints(devices: list[dict], taints: dict[str, tuple[str, str]]) -> list[dict]:
-    """`devices` with a NoSchedule taint (KEP-5055) on each one named in `taints` (device
-    name -> (reason, since: RFC 3339 UTC, the time it was withdrawn)): the scheduler then
-    allocates it to no new claim; `timeAdded` stays the withdrawal's time on every write."""
+def with_taints(devices: list[dict], taints: dict[str, tuple[str, str, str]]) -> list[dict]:
+    """`devices` with a taint (KEP-5055) on each one named in `taints` (device name ->
+    (reason, since: RFC 3339 UTC, the time it was withdrawn, effect)): NoSchedule keeps new
+    claims off it, NoExecute also evicts the pods using it; `timeAdded` stays the
+    withdrawal's time on every write."""
     return [{**d, "taints": [{"key": UNHEALTHY, "value": taint_value(taints[d["name"]][0]),
-                              "effect": "NoSchedule", "timeAdded": taints[d["name"]][1]}]}
+                              "effect": taints[d["name"]][2],
+                              "timeAdded": taints[d["name"]][1]}]}
             if d["name"] in taints else d for d in devices]
 
 

@@ -51,6 +51,7 @@ from agent.errors import AgentError, NvmlError, NvmlLibraryError, NvmlNotAnsweri
 from agent.health.isolation import Isolation, IsolationWatch
 from agent.health.policy import (
     ACTION_TEXT,
+    REBOOT,
     RESET,
     WITHDRAWING,
     XID_RECOVERY_ACTION_CHANGED,
@@ -785,6 +786,12 @@ class HealthMonitor:
         if device_id in self._outages and not self._isolation.names(self.devices[device_id]):
             return self._outages[device_id][0]
         return "isolated"
+
+    def reboot_needed(self) -> set[str]:
+        """IDs of the withdrawn devices whose fault only a reboot ends (the reboot class)."""
+        with self._lock:
+            return {i for i, f in self._faults.items()
+                    if f.action == REBOOT and not self._applied.get(i, (True, ""))[0]}
 
     def unhealthy(self) -> dict[str, str]:
         """device id -> reason, for every Unhealthy device."""

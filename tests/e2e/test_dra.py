@@ -151,22 +151,30 @@ def test_an_unchanged_pod_asking_nvidia_com_gpu_2_runs_through_dra(node, dra, k8
 
 
 def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra, k8s_version):
-    """KEP-5055 (device taints GA in 1.37): XID 79 on GPU 3 taints its device in the slice,
-    so a claim for all eight GPUs is not allocated; after the reboot (a new boot ID, the
-    agent started again) the taint is gone and the claim's pod runs."""
+    """KEP-5055 (device taints GA in 1.37): XID 79 (reboot class) on the GPU a running pod's
+    claim holds taints its device NoExecute in the slice, so kube-controller-manager's device
+    taint eviction deletes that pod, and a claim for all eight GPUs is not allocated; after
+    the reboot (a new boot ID, the agent started again) the taint is gone and the claim's pod
+    runs."""
     if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
         pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
                     f"here): beta from 1.36, GA from 1.37")
     boot_id = node.config("boot-1\n", "boot_id")
     env = {"GPU_AGENT_BOOT_ID_FILE": boot_id}
-    gpu = profile_gpus()[3]
     agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
                        node.cluster.kubelet_root, *QUIET, env=env)
     name = f"{NODE}-{DRIVER}"
     node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
     agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
     for c in CLASSES:
         dra(f"{RESOURCE_API}/deviceclasses", c)
+    _pod_with_claim(node, dra, "on-the-gpu", "on-the-gpu")
+    node.wait_running("on-the-gpu")
+    claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/on-the-gpu")
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    gpu = next(g for g in profile_gpus() if f"gpu-{g['minor']}" == device)
 
     start = time.monotonic()
     control.inject_xid(agent.control, gpu["index"], 79)
@@ -175,10 +183,12 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
         lambda s: [d for d in s["spec"]["devices"] if d.get("taints")], "the device tainted")
     write_result(node.results, "dra_xid79_to_slice_taint_s", round(time.monotonic() - start, 3))
     assert [(d["name"], d["taints"][0]["value"], d["taints"][0]["effect"]) for d in tainted] == [
-        (f"gpu-{gpu['minor']}", "xid-79", "NoSchedule")]
+        (device, "xid-79", "NoExecute")]
+    # evicted: kube-controller-manager's device taint eviction deletes the pod
+    node.api.wait_gone(f"/api/v1/namespaces/{NS}/pods/on-the-gpu", timeout=90)
+    write_result(node.results, "dra_xid79_to_pod_evicted_s", round(time.monotonic() - start, 3))
+    node.pods.remove("on-the-gpu")
 
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
     _pod_with_claim(node, dra, "all-gpus", "all-gpus", count=8)
     node.wait_unschedulable("all-gpus")
 
