@@ -65,10 +65,11 @@ def dra(node):
 QUIET = ("--fault-events", "false", "--node-condition", "false")
 
 
-def _dra_agent(node):
-    """The agent in DRA mode, its slice published and its plugin registered by kubelet."""
+def _dra_agent(node, kubeconfig: str | None = None):
+    """The agent in DRA mode, its slice published and its plugin registered by kubelet; the
+    node's identity (the kubelet's kubeconfig) unless `kubeconfig` says otherwise."""
     agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
-                       *QUIET)
+                       *QUIET, kubeconfig=kubeconfig)
     name = f"{NODE}-{DRIVER}"
     try:
         published = node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
@@ -104,9 +105,13 @@ def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1,
     node.pods.append(pod)
 
 
-def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra):
+@pytest.mark.parametrize("identity", ["node", "gpu-agent"])
+def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra, identity):
+    """With the node's identity (the Node authorizer), and as user gpu-agent holding exactly
+    the RBAC the package ships (packaging/kubernetes/gpu-agent-rbac.yaml)."""
     gpus = {g["minor"]: g for g in profile_gpus()}
-    agent, published = _dra_agent(node)
+    agent, published = _dra_agent(node, node.agent_identity() if identity == "gpu-agent"
+                                  else None)
     assert published["spec"]["nodeName"] == NODE
     assert sorted(d["name"] for d in published["spec"]["devices"]) == sorted(
         f"gpu-{m}" for m in gpus)
