@@ -166,7 +166,8 @@ class DraMode:
                             sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
                 "registered": self.plugin.registered,
-                "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values())}
+                "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values()),
+                "claims": self.claims.listing()}
 
     def stop(self) -> None:
         self._stopped.set()

@@ -308,12 +308,14 @@ def format_status(doc: dict) -> str:
                      + (f"; not published: {r['error']}" if r["error"] else "") + "); kubelet "
                      + {True: "registered it", False: "refused it", None: "has not registered "
                         "it yet"}[r["registered"]]
-                     + ("; tainted: " + ", ".join(f"{n} ({why})" for n, why in
+                     + ("; tainted: " + ", ".join(f"{n}: {why}" for n, why in
                                                   r["tainted"].items())
                         if r.get("tainted") else "")
-                     + f"; {len(r['preparedClaims'])} claims "
-                     f"prepared" + (f": {', '.join(r['preparedClaims'])}"
-                                    if r["preparedClaims"] else ""))
+                     + f"; {len(r['preparedClaims'])} claims prepared"
+                     + "".join(f"\n  claim {c['namespace']}/{c['name']}: "
+                               f"{', '.join(c['devices'])} for pod "
+                               f"{', '.join(c['pods']) or '(none named)'}"
+                               for c in r.get("claims") or []))
     if doc.get("cdi"):
         c = doc["cdi"]
         lines.append(f"CDI ({', '.join(c['strategies'])}): "

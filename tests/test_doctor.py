@@ -52,6 +52,7 @@ CHECK_IDS = [
     "toolkit.nvidia-ctk", "toolkit.runtime", "toolkit.cdi-spec",
     "runtime.containerd", "runtime.crio",
     "kubelet.socket", "kubelet.podresources", "kubelet.allocatable", "kubelet.registration",
+    "dra.sockets", "dra.driver",
     "devices.nodes", "devices.dev-char",
     "agent.unit", "agent.config", "agent.state-dir", "agent.journal",
 ]
@@ -127,11 +128,12 @@ def test_healthy_node_all_ok_exit_0_and_the_json_schema(live):
     bad = {i: c["found"] for i, c in checks.items() if c["status"] not in (OK, SKIP)}
     assert not bad
     assert (code, doc["exitCode"], doc["status"]) == (EXIT_OK, 0, OK)
-    assert doc["counts"] == {OK: 16, WARN: 0, FAIL: 0, SKIP: 4}
+    assert doc["counts"] == {OK: 16, WARN: 0, FAIL: 0, SKIP: 6}
     # the skips are what the simulated node lacks: persistence mode and MIG (NVML says
-    # NOT_SUPPORTED on this profile), CRI-O, systemd
+    # NOT_SUPPORTED on this profile), CRI-O, systemd; and the DRA checks (device-plugin mode)
     assert {i for i, c in checks.items() if c["status"] == SKIP} == {
-        "driver.persistence", "driver.mig", "runtime.crio", "agent.unit"}
+        "driver.persistence", "driver.mig", "runtime.crio", "agent.unit", "dra.sockets",
+        "dra.driver"}
     assert "nvidia.com/gpu: 8 allocatable, as the running agent" in \
         checks["kubelet.allocatable"]["found"]
     assert "driver 535.129.03, CUDA driver 12.2" in checks["driver.versions"]["found"]
@@ -152,7 +154,7 @@ def test_warnings_exit_1_failures_exit_2_and_the_text_report(live, tmp_root):
     assert proc.returncode == EXIT_FAIL, text
     assert "  FAIL  devices.dev-char" in text and "  ok    driver.nvml" in text
     assert f"fix: {devnodes.DEV_CHAR_COMMAND}" in text
-    assert text.rstrip().endswith("15 ok, 0 warn, 1 fail, 4 skip: exit 2")
+    assert text.rstrip().endswith("15 ok, 0 warn, 1 fail, 6 skip: exit 2")
 
 
 def test_bad_usage_exits_2():

@@ -19,6 +19,7 @@ from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.sim import control
 from agent.sim.profile import load_profile
+from tests.conftest import run_gpu_agent
 from tests.daemon_harness import Node
 from tests.kube_api import KubeApi
 
@@ -161,3 +162,58 @@ def test_a_slice_kubelet_deleted_is_published_again_at_the_next_registration(nod
         stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
     api.wait(lambda: SLICE in api.slices, "the slice published again")
     assert len(api.slices[SLICE]["spec"]["devices"]) == len(GPUS)
+
+
+def test_status_metrics_and_doctor_cover_dra_mode(node):
+    """Issue 39 item 8: a prepared claim shows with its pod in `gpu-agent status` and the
+    metrics, a taint in both and as a doctor warning; the doctor's DRA checks find the sockets
+    and the registration, and its device-plugin registration checks skip."""
+    from tests.test_metrics import metrics_port, samples
+
+    api = KubeApi(NODE)
+    agent = _start(node, api)
+    with _channel(node.path("plugins_registry/gpu.nvidia.com-reg.sock")) as ch:
+        reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+            reg.RegistrationStatus(plugin_registered=True), timeout=10)
+    api.claims[("ml", "train")] = {
+        "metadata": {"namespace": "ml", "name": "train", "uid": "u-1"},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-3"}]}},
+            "reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": "p-1"}]}}
+    with _channel(node.path("plugins/gpu.nvidia.com/dra.sock")) as ch:
+        out = v1_grpc.DRAPluginStub(ch).NodePrepareResources(v1.NodePrepareResourcesRequest(
+            claims=[v1.Claim(namespace="ml", uid="u-1", name="train")]), timeout=10)
+    assert out.claims["u-1"].error == ""
+    control.inject_xid(node.ctl, GPUS[5]["index"], 79)
+    tainted = f"gpu-{GPUS[5]['minor']}"
+    node.status_when(lambda s: s["dra"]["tainted"] and s["dra"]["claims"], "claim and taint")
+
+    shown = node.status_with("claim ml/train: gpu-3 for pod trainer-0", f"{tainted}: XID 79")
+    assert "claim ml/train: gpu-3 for pod trainer-0" in shown, shown
+    assert "(NoExecute)" in shown, shown
+
+    port = metrics_port(node)
+    assert samples(port, "gpu_agent_dra_claim_prepared") == [
+        ({"namespace": "ml", "claim": "train", "device": "gpu-3", "pod": "trainer-0"}, 1.0)]
+    assert samples(port, "gpu_agent_dra_device_tainted") == [
+        ({"driver": "gpu.nvidia.com", "device": tainted, "value": "xid-79",
+          "effect": "NoExecute"}, 1.0)]
+    assert samples(port, "gpu_agent_dra_registered") == [({"driver": "gpu.nvidia.com"}, 1.0)]
+    assert samples(port, "gpu_agent_dra_slice_published") == [
+        ({"driver": "gpu.nvidia.com"}, 1.0)]
+    [(_, generation)] = samples(port, "gpu_agent_dra_slice_generation")
+    assert generation == api.slices[SLICE]["spec"]["pool"]["generation"]
+    [(_, prepares)] = samples(port, "gpu_agent_rpc_duration_seconds_count",
+                              method="NodePrepareResources", resource="gpu.nvidia.com")
+    assert prepares == 1.0
+
+    proc = run_gpu_agent("doctor", "--json", "--mode", "dra", "--kubelet-dir", node.root,
+                         "--state-dir", node.state, "--kubelet-socket", node.kubelet_socket,
+                         env=node.env(), check=False)
+    checks = {c["id"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert checks["dra.sockets"]["status"] == "ok", checks["dra.sockets"]
+    assert checks["dra.driver"]["status"] == "warn", checks["dra.driver"]
+    assert f"{tainted}: XID 79" in checks["dra.driver"]["found"]
+    for check in ("kubelet.socket", "kubelet.allocatable", "kubelet.registration"):
+        assert checks[check]["status"] == "skip", checks[check]
+    assert agent.alive()

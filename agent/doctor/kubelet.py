@@ -24,7 +24,7 @@ KUBELET_FIX = "`systemctl status kubelet`; start it with `systemctl start kubele
 _SHOWN = 4  # device IDs named per difference
 
 
-def _connect(path: str, timeout: float) -> str:
+def connect(path: str, timeout: float) -> str:
     """"" when something accepts connections on the unix socket `path`, else why not."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -39,7 +39,15 @@ def _connect(path: str, timeout: float) -> str:
     return ""
 
 
+def _dra_mode(ctx: Context) -> Finding | None:
+    if ctx.cfg.mode == "dra":
+        return skip("agent.mode dra: no device-plugin resource is registered (see dra.*)")
+    return None
+
+
 def check_socket(ctx: Context) -> Finding:
+    if _dra_mode(ctx):
+        return _dra_mode(ctx)
     path = ctx.cfg.kubelet_socket
     if not path:
         return skip("no kubelet socket configured (--kubelet-socket ''): the agent does not "
@@ -47,7 +55,7 @@ def check_socket(ctx: Context) -> Finding:
     if not os.path.exists(path):
         return fail(f"{path} does not exist: kubelet is not running, or its root directory "
                     f"is elsewhere (--kubelet-socket, flags.plugin.kubeletSocket)", KUBELET_FIX)
-    problem = _connect(path, ctx.timeout)
+    problem = connect(path, ctx.timeout)
     if problem:
         return fail(f"{path} does not answer: {problem} (a socket left by a stopped kubelet)",
                     KUBELET_FIX)
@@ -109,6 +117,8 @@ def _ids(ids: set) -> str:
 
 
 def check_allocatable(ctx: Context) -> Finding:
+    if _dra_mode(ctx):
+        return _dra_mode(ctx)
     if not ctx.cfg.pod_resources_socket:
         return skip("no podresources socket configured")
     alloc, error = podresources_allocatable(ctx)
@@ -149,6 +159,8 @@ def check_allocatable(ctx: Context) -> Finding:
 
 
 def check_registration(ctx: Context) -> Finding:
+    if _dra_mode(ctx):
+        return _dra_mode(ctx)
     doc, error = agent_status(ctx)
     state_dir = ctx.cfg.state_dir
     start = "systemctl enable --now gpu-agent"

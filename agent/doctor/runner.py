@@ -1,6 +1,6 @@
 """Running the doctor's checks in order.
 
-Owns: the order of the check groups (driver, toolkit, runtime, kubelet, devices, agent) and the
+Owns: the order of the check groups (driver, toolkit, runtime, kubelet, dra, devices, agent) and the
 loop boundary around each check: a check that raises is reported as a failure naming the error
 (logged once with its trace), and the others still run. Must not hold checks of its own.
 """
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import logging
 
-from agent.doctor import devnodes, driver, kubelet, runtime, service, toolkit
+from agent.doctor import devnodes, dra, driver, kubelet, runtime, service, toolkit
 from agent.doctor.context import Context
 from agent.doctor.model import Check, Spec, fail
 
 log = logging.getLogger(__name__)
 
 SPECS: tuple[Spec, ...] = (
-    driver.CHECKS + toolkit.CHECKS + runtime.CHECKS + kubelet.CHECKS + devnodes.CHECKS
-    + service.CHECKS
+    driver.CHECKS + toolkit.CHECKS + runtime.CHECKS + kubelet.CHECKS + dra.CHECKS
+    + devnodes.CHECKS + service.CHECKS
 )
 
 

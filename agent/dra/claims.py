@@ -15,8 +15,9 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   per device (device_state.go:827-835). A refused claim writes nothing.
 - unprepare: the spec removed, then the record; a claim not recorded is already unprepared.
 - The record: `dra-claims.msgpack` in the state directory, replaced atomically (fsynced) on
-  each change: {uid: [namespace, name, [[requests, pool, device, cdi ids], ...], spec path]}.
-  One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never overwritten
+  each change: {uid: [namespace, name, [[requests, pool, device, cdi ids], ...], spec path,
+  pods]}, pods being the names of the pods the claim was reserved for when it was prepared
+  (for status and metrics; a record of 0575db6 has no pods and loads). One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never overwritten
   in place.
 
 Must not call NVML (`devices` says what the node has) or decide scheduling.
@@ -89,7 +90,7 @@ class Claims:
             held = self.prepared.get(claim.uid)
             if held is not None:
                 return [Prepared(tuple(r), p, d, tuple(c)) for r, p, d, c in held[2]]
-            results = self._results(claim)
+            results, pods = self._results(claim)
             spec = spec_path(self.cdi_dir, claim.uid)
             answer = [Prepared((r["request"],), r["pool"], r["device"],
                                (f"{CDI_KIND}={cdi_name(claim.uid, r['device'])}",))
@@ -99,7 +100,7 @@ class Claims:
                 self._save({**self.prepared, claim.uid: [
                     claim.namespace, claim.name,
                     [[list(p.requests), p.pool, p.device, list(p.cdi_ids)] for p in answer],
-                    spec]})
+                    spec, pods]})
             except StateError:
                 _remove(spec)  # not recorded: not prepared either
                 raise
@@ -107,8 +108,9 @@ class Claims:
                      ", ".join(p.device for p in answer))
             return answer
 
-    def _results(self, claim: ClaimRef) -> list[dict]:
-        """The claim's allocation results for this driver on this node, checked."""
+    def _results(self, claim: ClaimRef) -> tuple[list[dict], list[str]]:
+        """The claim's allocation results for this driver on this node, checked, and the
+        names of the pods it is reserved for."""
         path = (f"/apis/resource.k8s.io/v1/namespaces/{claim.namespace}/resourceclaims/"
                 f"{claim.name}")
         try:
@@ -139,7 +141,9 @@ class Claims:
                 raise ClaimError(f"claim {claim.namespace}/{claim.name} asks for device "
                                  f"{r.get('device')} of pool {r.get('pool')}, which node "
                                  f"{self.node} does not have")
-        return ours
+        pods = [r.get("name", "") for r in (doc.get("status") or {}).get("reservedFor") or []
+                if r.get("resource") == "pods"]
+        return ours, pods
 
     def _write_spec(self, uid: str, path: str, results: list[dict]) -> None:
         known = self.devices()
@@ -162,6 +166,14 @@ class Claims:
             write_atomic(path, json.dumps(spec, indent=2).encode(), mode=0o644)
         except OSError as exc:
             raise ClaimError(f"cannot write the claim's CDI spec {path}: {exc}") from None
+
+    def listing(self) -> list[dict]:
+        """The prepared claims as status and the metrics show them, sorted."""
+        with self._lock:
+            held = list(self.prepared.items())
+        return sorted(({"namespace": v[0], "name": v[1], "uid": uid,
+                        "devices": [d[2] for d in v[2]], "pods": v[4] if len(v) > 4 else []}
+                       for uid, v in held), key=lambda c: (c["namespace"], c["name"]))
 
     # -- unprepare ----------------------------------------------------------------------------
 
@@ -197,8 +209,9 @@ class Claims:
         try:
             prepared = msgpack.unpackb(raw, raw=False)
             if not isinstance(prepared, dict) or not all(
-                    isinstance(v, list) and len(v) == 4 for v in prepared.values()):
-                raise ValueError("not a map of claim UID to [namespace, name, devices, spec]")
+                    isinstance(v, list) and len(v) in (4, 5) for v in prepared.values()):
+                raise ValueError("not a map of claim UID to [namespace, name, devices, spec, "
+                                 "pods]")
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             aside = f"{self.path}.bad-{int(time.time())}"
             os.replace(self.path, aside)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent import futures
 from typing import Any, Callable, NamedTuple
 
 import grpc
 
+from agent import latency
 from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
 from agent._proto.dra.v1.constants import DRA_PLUGIN_SERVICE as V1_SERVICE
@@ -141,17 +143,24 @@ class _Handlers:
     def __init__(self, claims: Any, on_change: Callable[[], None]):
         self.claims = claims
         self.on_change = on_change
+        # the metrics' gpu_agent_rpc_duration_seconds, method and driver as labels
+        self.prepare_latency = latency.histogram("NodePrepareResources", DRIVER)
+        self.unprepare_latency = latency.histogram("NodeUnprepareResources", DRIVER)
 
     def prepare(self, claims: Any, api: Any) -> Any:
+        start = time.perf_counter()
         try:
             return self._prepare(claims, api)
         finally:
+            self.prepare_latency.observe(time.perf_counter() - start)
             self.on_change()
 
     def unprepare(self, claims: Any, api: Any) -> Any:
+        start = time.perf_counter()
         try:
             return self._unprepare(claims, api)
         finally:
+            self.unprepare_latency.observe(time.perf_counter() - start)
             self.on_change()
 
     def _prepare(self, claims: Any, api: Any) -> Any:

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 
 from agent import __version__, _fast, latency
+from agent.dra.slices import taint_value
 from agent.nvml.telemetry import THROTTLE_REASONS
 
 NS = "gpu_agent"
@@ -79,6 +80,7 @@ def collect(x: Any) -> Iterator[Any]:
     yield from _mps(d.mps.status()["daemons"])
     yield from _xids(d.health)
     yield from _kubernetes(d.faults)
+    yield from _dra(d.dra)
     yield from _threads()
     yield from _telemetry(x, gpus)
 
@@ -91,7 +93,8 @@ def _agent(x: Any) -> Iterator[Any]:
     info.add_metric([__version__, _fast.IMPLEMENTATION, socket.gethostname()], {})
     yield info
     durations = HistogramMetricFamily(f"{NS}_rpc_duration_seconds", "Time to answer a "
-                                      "device-plugin call from kubelet, by method",
+                                      "device-plugin or DRA call from kubelet, by method "
+                                      "(resource: the DRA driver's name for a DRA call)",
                                       labels=("method", "resource"))
     for (method, resource), hist in sorted(latency.histograms().items()):
         buckets, total = hist.snapshot()
@@ -139,6 +142,39 @@ def _mps(daemons: list) -> Iterator[Any]:
         restarts.add_metric(labels, m["restarts"])
     yield up
     yield restarts
+
+
+def _dra(dra: Any) -> Iterator[Any]:
+    """DRA mode (agent.dramode): the slice, kubelet's registration, taints, prepared claims."""
+    if dra is None:
+        return
+    st = dra.status()
+    registered = GaugeMetricFamily(f"{NS}_dra_registered", "1 if kubelet registered the DRA "
+                                   "driver's plugin", labels=("driver",))
+    registered.add_metric([st["driver"]], 1.0 if st["registered"] else 0.0)
+    yield registered
+    generation = GaugeMetricFamily(f"{NS}_dra_slice_generation", "The pool generation of the "
+                                   "node's ResourceSlice as last published", labels=("driver",))
+    generation.add_metric([st["driver"]], st["sliceGeneration"])
+    yield generation
+    published = GaugeMetricFamily(f"{NS}_dra_slice_published", "1 if the last publication of "
+                                  "the ResourceSlice succeeded (0: retried every 10 s)",
+                                  labels=("driver",))
+    published.add_metric([st["driver"]], 0.0 if st["error"] else 1.0)
+    yield published
+    tainted = GaugeMetricFamily(f"{NS}_dra_device_tainted", "1 per device tainted in the slice "
+                                "(KEP-5055), with the taint's value and effect",
+                                labels=("driver", "device", "value", "effect"))
+    for name, (reason, _, effect) in sorted(dra.taints.items()):
+        tainted.add_metric([st["driver"], name, taint_value(reason), effect], 1.0)
+    yield tainted
+    claims = GaugeMetricFamily(f"{NS}_dra_claim_prepared", "1 per device of a prepared claim, "
+                               "with the pods the claim was reserved for when prepared",
+                               labels=("namespace", "claim", "device", "pod"))
+    for c in st["claims"]:
+        for device in c["devices"]:
+            claims.add_metric([c["namespace"], c["name"], device, ",".join(c["pods"])], 1.0)
+    yield claims
 
 
 def _threads() -> Iterator[Any]:
