@@ -118,3 +118,25 @@ def test_an_unreadable_record_is_kept_aside_and_reported(env, caplog):
     assert len(aside) == 1
     assert open(os.path.join(state, aside[0]), "rb").read() == b"\xc1 not msgpack"
     assert "kept aside" in caplog.text
+
+
+def test_a_record_of_0575db6_without_pods_loads_and_unprepares(env):
+    """Records written before the pods were kept ([namespace, name, devices, spec]) load: the
+    claim is listed without pods and unprepared as recorded."""
+    import msgpack
+
+    api, claims, cdi, state = env
+    ref = _claim(api, "train", "u-1", [_result("gpu-0")])
+    claims().prepare(ref)
+    path = os.path.join(state, "dra-claims.msgpack")
+    with open(path, "rb") as f:
+        record = msgpack.unpackb(f.read(), raw=False)
+    assert record["u-1"][4] == []  # the claim is reserved for no pod in this API server
+    record["u-1"] = record["u-1"][:4]
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(record, use_bin_type=True))
+    old = claims()
+    assert old.listing() == [{"namespace": "ml", "name": "train", "uid": "u-1",
+                              "devices": ["gpu-0"], "pods": []}]
+    old.unprepare(ref)
+    assert os.listdir(cdi) == [] and claims().prepared == {}
