@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import Section, machine
 
 MODULES = ["bench_topology", "bench_preferred", "bench_baseline", "bench_events", "bench_plugin", "bench_floor", "bench_health", "bench_state", "bench_doctor", "bench_mig",
-           "bench_metrics", "bench_hung", "bench_faults", "bench_sharing", "bench_e2e", "bench_storm"]
+           "bench_metrics", "bench_hung", "bench_faults", "bench_sharing", "bench_dra", "bench_e2e", "bench_storm"]
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 # The rule for code that exists only for speed (issue 37), and the pieces it keeps.
 RULE = [
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                                      f"--replace`); the date at the top is the full run's.")
             new = "## " + render([section]).split("\n## ", 1)[1]
             before = _kept(old, section.title)
-            text = text.replace(before, new) if before else text.rstrip("\n") + "\n\n" + new
+            if before:  # followed by another section: the blank line before its title kept
+                text = text.replace(before, new.rstrip("\n") + "\n" + (
+                    "\n" if before.endswith("\n\n") else ""))
+            else:
+                text = text.rstrip("\n") + "\n\n" + new
     else:  # the soak's section, which this run did not make, is kept as it was
         old_soak = _kept(old, soak.TITLE)
         text = render(sections) + ("\n" + old_soak if old_soak else "")

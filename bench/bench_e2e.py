@@ -3,9 +3,11 @@
 Owns: timing what an operator waits for when a GPU pod starts, through the real API server,
 scheduler, kubelet and containerd (`make e2e`'s cluster, the newest pinned Kubernetes): from the
 pod's creation to the watch showing its container ready, for pods asking for one GPU served by
-gpu-agent, by NVIDIA's k8s-device-plugin (built by scripts/e2e-build, on the same simulated
-NVML), and for pods asking for no GPU (what the cluster costs without any plugin).
-Figures only; tests/e2e asserts behaviour.
+gpu-agent in DRA mode (through a ResourceClaim made before the pod, and an unchanged pod asking
+nvidia.com/gpu that the DeviceClass maps), by gpu-agent as a device plugin, by NVIDIA's
+k8s-device-plugin (built by scripts/e2e-build, on the same simulated NVML), and for pods asking
+for no GPU (what the cluster costs without any plugin). Figures only; tests/e2e asserts
+behaviour.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import os
 import signal
 import time
 
+import yaml
+
 from bench import Section, percentile, ratio_row
-from tests.e2e.cluster import Cluster, pinned, versions
-from tests.e2e.conftest import E2ENode
+from tests.e2e import images
+from tests.e2e.cluster import NODE, ROOT, Cluster, pinned, versions
+from tests.e2e.conftest import NS, E2ENode
+from tests.e2e.kube import gpu_pod
 
 PODS = 20
 NVIDIA_VERSION = pinned("k8s-device-plugin", "github.com/NVIDIA/k8s-device-plugin")
@@ -37,6 +43,57 @@ def _series(node: E2ENode, prefix: str, resources: dict | None) -> list[float]:
     return [_started(node, f"{prefix}-{i}", resources) for i in range(PODS)]
 
 
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+DRIVER = "gpu.nvidia.com"
+
+
+def _claim_started(node: E2ENode, name: str) -> float:
+    """A ResourceClaim for one GPU of the class gpu.nvidia.com, made first; then the seconds
+    from creating the pod that uses it to the watch showing its container ready."""
+    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
+    node.api.create(claims, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
+    body = gpu_pod(name, NODE, None, images.BUSYBOX)
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": name}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    start = time.monotonic()
+    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
+    node.pods.append(name)
+    node.wait_running(name)
+    elapsed = time.monotonic() - start
+    node.delete_pods(name)
+    node.api.delete(f"{claims}/{name}")
+    return elapsed
+
+
+def _dra(node: E2ENode, cluster: Cluster) -> tuple[list[float], list[float]]:
+    """gpu-agent in DRA mode with the DeviceClasses the package ships: (pods with a claim,
+    unchanged pods asking nvidia.com/gpu: 1); then the agent stopped and its slice and classes
+    deleted, so that the device-plugin rows meet a node without them."""
+    classes = list(yaml.safe_load_all(
+        (ROOT / "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml").read_text()))
+    for c in classes:
+        node.api.create(f"{RESOURCE_API}/deviceclasses", c)
+    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", cluster.kubelet_root,
+                       "--fault-events", "false", "--node-condition", "false")
+    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{NODE}-{DRIVER}",
+                      lambda s: s, "the agent's ResourceSlice")
+    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
+    with_claim = [_claim_started(node, f"claim-{i}") for i in range(PODS)]
+    mapped = _series(node, "mapped", {GPU: 1})
+    agent.status_when(lambda s: not s["dra"]["preparedClaims"], "every claim unprepared")
+    agent.proc.stop(signal.SIGTERM)
+    for s in node.api.get(f"{RESOURCE_API}/resourceslices")["items"]:
+        node.api.delete(f"{RESOURCE_API}/resourceslices/{s['metadata']['name']}")
+    for c in classes:
+        node.api.delete(f"{RESOURCE_API}/deviceclasses/{c['metadata']['name']}")
+    return with_claim, mapped
+
+
 def run() -> Section:
     version = versions()[0]
     section = Section(
@@ -44,9 +101,11 @@ def run() -> Section:
         method=(f"On the end-to-end cluster (tests/e2e, Kubernetes {version}, containerd, "
                 "this machine's cgroup v1): from the pod's creation through the API server to "
                 "the watch showing its container ready (scheduling, kubelet's admission and "
-                "Allocate, the sandbox, the container's start), one pod at a time, each deleted "
-                f"before the next; {PODS} pods per row, one GPU each (passDeviceSpecs). The "
-                "ratio is against the median of pods asking for no GPU in the same run."),
+                "Allocate or the claim's preparation, the sandbox, the container's start), one "
+                f"pod at a time, each deleted before the next; {PODS} pods per row, one GPU "
+                "each (device plugins: passDeviceSpecs; DRA: the DeviceClasses the package "
+                "ships, the claim made before the pod is). The ratio is against the median of "
+                "pods asking for no GPU in the same run."),
         header=["pods served by", "pods", "median", "p99", "vs no GPU"],
     )
     if os.geteuid() != 0:
@@ -56,6 +115,10 @@ def run() -> Section:
     cluster.start()
     try:
         node = E2ENode(cluster, {})
+        # DRA first, on a node no device plugin has registered nvidia.com/gpu with (kubelet
+        # keeps a stopped plugin's resource a while, and the scheduler then takes the
+        # device-plugin path for nvidia.com/gpu)
+        with_claim, mapped = _dra(node, cluster)
         node.agent("dgx1-v100", "--pass-device-specs")
         node.wait_allocatable(8)
         agent = _series(node, "agent", {GPU: 1})
@@ -73,6 +136,10 @@ def run() -> Section:
     section.rows.append(ratio_row("gpu-agent", agent, base))
     section.rows.append(ratio_row(f"NVIDIA's k8s-device-plugin {NVIDIA_VERSION}", nvidia,
                                   base))
+    section.rows.append(ratio_row("gpu-agent, DRA mode: a pod with a ResourceClaim", with_claim,
+                                  base))
+    section.rows.append(ratio_row("gpu-agent, DRA mode: an unchanged pod asking nvidia.com/gpu: "
+                                  "1 (the DeviceClass maps it)", mapped, base))
     section.notes.append(
         f"NVIDIA's plugin is {NVIDIA_VERSION}, the newest the Go module proxy serves (v0.20.0 "
         "is refused), configured as gpu-agent is here: the envvar strategy with "
@@ -82,7 +149,10 @@ def run() -> Section:
     section.notes.append(
         "A pod's start here is the cluster's work (scheduling, the sandbox, the container); the "
         "plugin's part is its Allocate answer, about half a millisecond (the median of "
-        "\"Allocate, 1 caller\" in the device-plugin section). "
+        "\"Allocate, 1 caller\" in the device-plugin section), and in DRA mode its "
+        "NodePrepareResources answer (the DRA section), besides the scheduler's allocation "
+        "of the claim (DRA's rows: the claim's CDI spec is injected by containerd; the "
+        "mapped pod's claim is made by the scheduler). "
         "From run to run on this 2-vCPU machine the medians move by tens of milliseconds, "
         "more than the rows differ.")
     return section

@@ -208,6 +208,42 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
     assert len(node.seen("all-gpus").nodes) == 8
 
 
+def test_a_reset_class_taint_goes_by_itself_and_a_claim_then_gets_the_gpu(node, dra,
+                                                                         k8s_version):
+    """XID 48 (a double-bit ECC error: reset class) taints its device NoSchedule; the GPU
+    recovers (the recovery quiet period passes with nothing pending) and the taint goes with
+    nothing restarted, the same agent and kubelet, and a claim for all eight GPUs then runs."""
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
+        pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
+                    f"here): beta from 1.36, GA from 1.37")
+    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
+                       node.cluster.kubelet_root, "--recovery-quiet-period", "10s", *QUIET)
+    name = f"{NODE}-{DRIVER}"
+    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
+    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
+    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                      "the default service account")
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
+    gpu = profile_gpus()[5]
+    control.inject_xid(agent.control, gpu["index"], 48)
+    tainted = node.api.wait_for(
+        f"{RESOURCE_API}/resourceslices/{name}",
+        lambda s: [d for d in s["spec"]["devices"] if d.get("taints")], "the device tainted")
+    assert [(d["name"], d["taints"][0]["value"], d["taints"][0]["effect"]) for d in tainted] == [
+        (f"gpu-{gpu['minor']}", "xid-48", "NoSchedule")]
+    start = time.monotonic()
+    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
+                      lambda s: not any(d.get("taints") for d in s["spec"]["devices"]),
+                      "the taint gone after the quiet period", timeout=60)
+    write_result(node.results, "dra_reset_class_taint_to_removed_after_10s_quiet_s",
+                 round(time.monotonic() - start, 3))
+    _pod_with_claim(node, dra, "all-eight", "all-eight", count=8)
+    node.wait_running("all-eight")
+    assert len(node.seen("all-eight").nodes) == 8
+    assert agent.proc.alive()
+
+
 def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
     """A claim for two GPUs chosen by a CEL selector on productName (an attribute NVIDIA's
     driver publishes): the container has both GPUs' nodes and UUIDs."""
