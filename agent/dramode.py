@@ -166,6 +166,7 @@ class DraMode:
                             sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
                 "registered": self.plugin.registered,
+                "registrations": self.plugin.registrations,
                 "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values()),
                 "claims": self.claims.listing()}
 

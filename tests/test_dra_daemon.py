@@ -118,12 +118,14 @@ def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
 
 def test_a_reboot_class_fault_taints_no_execute_unless_configured_otherwise(node):
     """XID 79 (the GPU fell off the bus: only a reboot ends it) taints its device NoExecute,
-    which evicts the pods using it; XID 48 (reset class) NoSchedule. agent.draRebootTaint
-    NoSchedule, reloaded, turns the first into NoSchedule too, the withdrawal's time kept."""
+    which evicts the pods using it; XID 48 (reset class) NoSchedule; XID 13 (application
+    class, before both) none. agent.draRebootTaint NoSchedule, reloaded, turns the first into
+    NoSchedule too, the withdrawal's time kept."""
     api = KubeApi(NODE)
     config = node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n")
     agent = _start(node, api, "--config", config)
-    reboot, reset = GPUS[1], GPUS[2]
+    reboot, reset, application = GPUS[1], GPUS[2], GPUS[3]
+    control.inject_xid(node.ctl, application["index"], 13)  # delivered first, in order
     control.inject_xid(node.ctl, reboot["index"], 79)
     control.inject_xid(node.ctl, reset["index"], 48)
 
@@ -132,6 +134,7 @@ def test_a_reboot_class_fault_taints_no_execute_unless_configured_otherwise(node
         return {d["name"]: d["taints"][0] for d in spec["devices"] if d.get("taints")}
 
     tainted = api.wait(lambda: len(taints()) == 2 and taints(), "both devices tainted")
+    assert f"gpu-{application['minor']}" not in tainted
     first = tainted[f"gpu-{reboot['minor']}"]
     assert (first["value"], first["effect"]) == ("xid-79", "NoExecute")
     assert (tainted[f"gpu-{reset['minor']}"]["value"],

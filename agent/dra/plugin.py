@@ -76,6 +76,7 @@ class DraPlugin:
         self.driver = driver
         self.socket, self.registration_socket = socket_paths(kubelet_dir, driver)
         self.registered: bool | None = None  # as kubelet last said; None: not yet
+        self.registrations = 0  # times kubelet said registered (each kubelet start once)
         self.registration_error = ""
         self._servers: list[tuple[grpc.Server, str]] = []
 
@@ -111,6 +112,7 @@ class DraPlugin:
 
     def notified(self, registered: bool, error: str) -> None:
         self.registered, self.registration_error = registered, error
+        self.registrations += registered
         self.on_change()
         if registered:
             log.info("DRA driver %s registered with kubelet", self.driver)
