@@ -51,17 +51,19 @@ def _registered_with_eight(state) -> bool:
 # -- in-process: the window made to happen ----------------------------------------------------
 
 
-def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdir, monkeypatch):
-    started = PluginServer.start
+def _registers_with_the_kubelet_that_started(kdir: str, arm) -> None:
+    """A registrar serving 8 GPUs beside a simulated kubelet; `arm(start)` makes the moment
+    of one kubelet start (`start()` restarts kubelet the first time it is called: the
+    directory wiped, a new kubelet.sock). The registrar registers with that kubelet, once,
+    and kubelet never dials a socket the start had removed (it would have waited on gRPC's
+    reconnect backoff, and the registrar with it)."""
     kubelet_starts = []
-
-    def start_then_a_kubelet_starts(server: PluginServer) -> None:
-        started(server)
-        if not kubelet_starts:  # the first time: our socket is there, we are about to register
-            kubelet_starts.append(kubelet.restart())  # wipes it, listens on a new kubelet.sock
-
-    monkeypatch.setattr(PluginServer, "start", start_then_a_kubelet_starts)
     with SimKubelet(kdir) as kubelet, SimKubeletClient(kdir) as client:
+        def start() -> None:
+            if not kubelet_starts:
+                kubelet_starts.append(kubelet.restart())
+
+        arm(start)
         registrar = Registrar(kubelet.kubelet_socket)
         registrar.start()
         try:
@@ -77,10 +79,21 @@ def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdi
         finally:
             registrar.stop()
         assert len(kubelet_starts) == 1
-        # kubelet never dialled a socket the start had removed (it would have waited on gRPC's
-        # reconnect backoff, and the registrar with it)
         assert kubelet.failed_dials() == []
         assert client.registrations_per_instance(GPU) == {1: 1}
+
+
+def test_a_kubelet_start_between_our_server_start_and_register_is_waited_out(kdir, monkeypatch):
+    started = PluginServer.start
+
+    def arm(kubelet_start) -> None:
+        def start_then_a_kubelet_starts(server: PluginServer) -> None:
+            started(server)
+            kubelet_start()  # our socket is there, we are about to register: it wipes it
+
+        monkeypatch.setattr(PluginServer, "start", start_then_a_kubelet_starts)
+
+    _registers_with_the_kubelet_that_started(kdir, arm)
 
 
 def test_a_kubelet_start_between_our_look_and_the_connection_is_waited_out(kdir, monkeypatch):
@@ -89,26 +102,15 @@ def test_a_kubelet_start_between_our_look_and_the_connection_is_waited_out(kdir,
     until our socket is served again. Up to 0575db6 the look came first, and this kubelet
     got the Register and dialled a socket it had removed (CI, one round in a hundred)."""
     connect = registrar_module._connect
-    kubelet_starts = []
 
-    def a_kubelet_starts_then_connect(*args):
-        if not kubelet_starts:
-            kubelet_starts.append(kubelet.restart())
-        return connect(*args)
+    def arm(kubelet_start) -> None:
+        def a_kubelet_starts_then_connect(*args):
+            kubelet_start()
+            return connect(*args)
 
-    monkeypatch.setattr(registrar_module, "_connect", a_kubelet_starts_then_connect)
-    with SimKubelet(kdir) as kubelet, SimKubeletClient(kdir) as client:
-        registrar = Registrar(kubelet.kubelet_socket)
-        registrar.start()
-        try:
-            registrar.serve({RESOURCE_GPU: ResourceManager(RESOURCE_GPU, DGX, ResponseOptions())})
-            client.wait_for(lambda s: s.restarts == 1 and _registered_with_eight(s), WAIT,
-                            what="registration with the kubelet that started")
-        finally:
-            registrar.stop()
-        assert len(kubelet_starts) == 1
-        assert kubelet.failed_dials() == []
-        assert client.registrations_per_instance(GPU) == {1: 1}
+        monkeypatch.setattr(registrar_module, "_connect", a_kubelet_starts_then_connect)
+
+    _registers_with_the_kubelet_that_started(kdir, arm)
 
 
 # -- `gpu-agent run`: 100 double starts after a killed kubelet ---------------------------------

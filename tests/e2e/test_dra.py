@@ -65,11 +65,12 @@ def dra(node):
 QUIET = ("--fault-events", "false", "--node-condition", "false")
 
 
-def _dra_agent(node, kubeconfig: str | None = None):
-    """The agent in DRA mode, its slice published and its plugin registered by kubelet; the
-    node's identity (the kubelet's kubeconfig) unless `kubeconfig` says otherwise."""
+def _dra_agent(node, dra, *args: str, kubeconfig: str | None = None, env: dict | None = None):
+    """The agent in DRA mode (`args` added), its slice published, its plugin registered by
+    kubelet, and the DeviceClasses the package ships; the node's identity (the kubelet's
+    kubeconfig) unless `kubeconfig` says otherwise."""
     agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
-                       *QUIET, kubeconfig=kubeconfig)
+                       *QUIET, *args, kubeconfig=kubeconfig, env=env)
     name = f"{NODE}-{DRIVER}"
     try:
         published = node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
@@ -82,7 +83,15 @@ def _dra_agent(node, kubeconfig: str | None = None):
     # the cluster starts; the API server refuses pods until it is there
     node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
                       "the default service account")
+    for c in CLASSES:
+        dra(f"{RESOURCE_API}/deviceclasses", c)
     return agent, published
+
+
+def _taints_or_skip(k8s_version: str) -> None:
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
+        pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
+                    f"here): beta from 1.36, GA from 1.37")
 
 
 def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1,
@@ -110,13 +119,11 @@ def test_a_pod_with_a_claim_gets_its_gpu_from_the_agents_cdi_spec(node, dra, ide
     """With the node's identity (the Node authorizer), and as user gpu-agent holding exactly
     the RBAC the package ships (packaging/kubernetes/gpu-agent-rbac.yaml)."""
     gpus = {g["minor"]: g for g in profile_gpus()}
-    agent, published = _dra_agent(node, node.agent_identity() if identity == "gpu-agent"
-                                  else None)
+    agent, published = _dra_agent(node, dra, kubeconfig=node.agent_identity()
+                                  if identity == "gpu-agent" else None)
     assert published["spec"]["nodeName"] == NODE
     assert sorted(d["name"] for d in published["spec"]["devices"]) == sorted(
         f"gpu-{m}" for m in gpus)
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
     _pod_with_claim(node, dra, "with-claim", "one-gpu")
     node.wait_running("with-claim")
 
@@ -144,9 +151,7 @@ def test_an_unchanged_pod_asking_nvidia_com_gpu_2_runs_through_dra(node, dra, k8
         pytest.skip(f"the extended-resource mapping is alpha in {k8s_version} (gate "
                     f"DRAExtendedResource, off here): GA from 1.37")
     gpus = {g["uuid"]: g for g in profile_gpus()}
-    _dra_agent(node)
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
+    _dra_agent(node, dra)
     node.create_pod("two-gpus", {"nvidia.com/gpu": 2})
     node.wait_running("two-gpus")
     seen = node.seen("two-gpus")
@@ -161,20 +166,11 @@ def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra,
     taint eviction deletes that pod, and a claim for all eight GPUs is not allocated; after
     the reboot (a new boot ID, the agent started again) the taint is gone and the claim's pod
     runs."""
-    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
-        pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
-                    f"here): beta from 1.36, GA from 1.37")
+    _taints_or_skip(k8s_version)
     boot_id = node.config("boot-1\n", "boot_id")
     env = {"GPU_AGENT_BOOT_ID_FILE": boot_id}
-    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
-                       node.cluster.kubelet_root, *QUIET, env=env)
+    agent, _ = _dra_agent(node, dra, env=env)
     name = f"{NODE}-{DRIVER}"
-    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
-    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
     _pod_with_claim(node, dra, "on-the-gpu", "on-the-gpu")
     node.wait_running("on-the-gpu")
     claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/on-the-gpu")
@@ -213,18 +209,9 @@ def test_a_reset_class_taint_goes_by_itself_and_a_claim_then_gets_the_gpu(node, 
     """XID 48 (a double-bit ECC error: reset class) taints its device NoSchedule; the GPU
     recovers (the recovery quiet period passes with nothing pending) and the taint goes with
     nothing restarted, the same agent and kubelet, and a claim for all eight GPUs then runs."""
-    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 37):
-        pytest.skip(f"device taints are alpha in {k8s_version} (gate DRADeviceTaints, off "
-                    f"here): beta from 1.36, GA from 1.37")
-    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
-                       node.cluster.kubelet_root, "--recovery-quiet-period", "10s", *QUIET)
+    _taints_or_skip(k8s_version)
+    agent, _ = _dra_agent(node, dra, "--recovery-quiet-period", "10s")
     name = f"{NODE}-{DRIVER}"
-    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}", lambda s: s, "the slice")
-    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
     gpu = profile_gpus()[5]
     control.inject_xid(agent.control, gpu["index"], 48)
     tainted = node.api.wait_for(
@@ -248,9 +235,7 @@ def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
     """A claim for two GPUs chosen by a CEL selector on productName (an attribute NVIDIA's
     driver publishes): the container has both GPUs' nodes and UUIDs."""
     gpus = {g["uuid"]: g for g in profile_gpus()}
-    _dra_agent(node)
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
+    _dra_agent(node, dra)
     product = next(iter(gpus.values()))["name"]
     _pod_with_claim(node, dra, "two-by-name", "two-by-name", count=2,
                     selector=f"device.attributes['{DRIVER}'].productName == '{product}'")
@@ -267,9 +252,7 @@ def test_a_claim_prepared_before_an_agent_sigkill_and_a_kubelet_restart_is_unpre
     while the agent is dead (it finds the dead agent's registration socket) or after the agent
     was started again (systemd's Restart=): deleting the pod has the new agent unprepare the
     claim, from its record, exactly once, and the CDI spec is gone."""
-    agent, _ = _dra_agent(node)
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
+    agent, _ = _dra_agent(node, dra)
     _pod_with_claim(node, dra, "outlives", "outlives")
     node.wait_running("outlives")
     claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/outlives")
@@ -344,9 +327,7 @@ def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
     whose allocation names a device this node does not publish (written by hand into the
     claim's status, as a broken controller could): kubelet's event on each pod says why,
     nothing is prepared for them, and a good claim runs beside them."""
-    agent, _ = _dra_agent(node)
-    for c in CLASSES:
-        dra(f"{RESOURCE_API}/deviceclasses", c)
+    agent, _ = _dra_agent(node, dra)
     claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
     dra(claims, {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
