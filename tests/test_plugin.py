@@ -255,7 +255,8 @@ def test_registration_with_the_simulated_kubelet(sockdir):
         server = PluginServer(manager, sockdir)
         server.start()
         try:
-            server.register(kubelet.kubelet_socket)
+            with grpc.insecure_channel(f"unix:{kubelet.kubelet_socket}") as channel:
+                server.register(channel, kubelet.kubelet_socket)
             state = client.wait_for(lambda s: s.resource(RESOURCE_GPU) is not None
                                     and len(s.resource(RESOURCE_GPU).devices) == 8,
                                     what="the device list")
@@ -263,8 +264,10 @@ def test_registration_with_the_simulated_kubelet(sockdir):
             assert res.endpoint == "gpu-agent-gpu.sock" and res.get_preferred_allocation_available
         finally:
             server.stop()
-        with pytest.raises(RegistrationError, match="registering nvidia.com/gpu with kubelet"):
-            server.register(os.path.join(sockdir, "nobody.sock"), timeout=2)
+        nobody = os.path.join(sockdir, "nobody.sock")
+        with grpc.insecure_channel(f"unix:{nobody}") as channel, \
+                pytest.raises(RegistrationError, match="registering nvidia.com/gpu with kubelet"):
+            server.register(channel, nobody, timeout=2)
 
 
 def test_a_repeated_allocate_is_recorded_each_time_and_answered_anew_after_a_reload(sockdir,
