@@ -172,3 +172,9 @@ def test_the_api_server_down_30_s_delays_no_withdrawal_or_allocate_and_is_caught
     dropped = doc["kubernetes"]["eventCounts"]["dropped"]
     assert f'gpu_agent_kubernetes_events_total{{outcome="dropped"}} {float(dropped)}' in metrics
     assert "gpu_agent_kubernetes_api_up 1.0" in metrics
+    # the scheduler's and kubelet's informers come back after the outage on a backoff of their
+    # own (client-go's reflectors; on 1.34 kubelet listed pods again a minute later): the next
+    # test's pods wait for that, so this one ends when a pod is scheduled and runs again
+    node.create_pod("after-the-outage")
+    node.wait_running("after-the-outage", timeout=240)
+    write_result(node.results, "api_back_to_pod_running_s", round(time.monotonic() - ready, 3))
