@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import pytest
+
 from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent.sim import control
@@ -141,6 +143,7 @@ def _allocate(node, agent, uuid: str) -> dp.AllocateResponse:
             container_requests=[dp.ContainerAllocateRequest(devices_ids=[uuid])]), timeout=10)
 
 
+@pytest.mark.timeout(420)  # a 30 s outage, then the informers' own backoff (up to minutes)
 def test_the_api_server_down_30_s_delays_no_withdrawal_or_allocate_and_is_caught_up(node):
     cluster = node.cluster
     agent = node.agent("dgx1-v100", kubeconfig=node.agent_identity())
