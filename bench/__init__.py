@@ -43,6 +43,15 @@ def sim_node_env(work: str, profile: str = "dgx1-v100") -> tuple[str, str, dict]
     return kdir, ctl_dir, env
 
 
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Until predicate() is true; RuntimeError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout:g} s")
+        time.sleep(0.02)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process `pid` has used (/proc/PID/stat utime + stime)."""
     with open(f"/proc/{pid}/stat") as f:

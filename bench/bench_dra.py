@@ -25,7 +25,15 @@ from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
-from bench import AGENT_COMMAND, Section, allocate_timed, ratio_row, sim_node_env, stop_agent
+from bench import (
+    AGENT_COMMAND,
+    Section,
+    allocate_timed,
+    ratio_row,
+    sim_node_env,
+    stop_agent,
+    wait_until,
+)
 from tests.kube_api import KubeApi
 
 CLAIMS = 300  # each prepared, then unprepared
@@ -36,14 +44,6 @@ DRIVER = "gpu.nvidia.com"
 
 def _channel(path: str) -> grpc.Channel:
     return grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
-
-
-def _wait(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"bench_dra: {what} did not happen within {timeout:g} s")
-        time.sleep(0.01)
 
 
 def _agent(work: str, env: dict, *args: str) -> subprocess.Popen:
@@ -63,8 +63,8 @@ def _claims(work: str, env: dict) -> tuple[list[float], list[float]]:
     socket = os.path.join(work, "plugins", DRIVER, "dra.sock")
     prepare, unprepare = [], []
     try:
-        _wait(lambda: os.path.exists(socket) and f"{NODE}-{DRIVER}" in api.slices,
-              "the DRA socket and the slice")
+        wait_until(lambda: os.path.exists(socket) and f"{NODE}-{DRIVER}" in api.slices,
+              "DRA socket and slice")
         with _channel(socket) as ch:
             stub = v1_grpc.DRAPluginStub(ch)
             for i in range(WARMUP + CLAIMS):

@@ -26,7 +26,7 @@ from agent.errors import CheckpointError
 from agent.sim import control
 from agent.sim.profile import load_profile
 from agent.state.journal import JOURNAL_FILE, read_journal
-from bench import Section
+from bench import Section, wait_until
 from tests.daemon_harness import GPU, Node, ReadOnlyMount, changed_files, write_files
 
 UUIDS = [g["uuid"] for g in load_profile("dgx1-v100")["gpus"]]
@@ -252,21 +252,13 @@ def _attributed(node: Node) -> int:
     return sum(r.pod is not None for r in journal.records) if journal else 0
 
 
-def _wait(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {timeout:g} s")
-        time.sleep(0.02)
-
-
 def _corrupt_journal() -> list[str]:
     with Node() as node:
         agent = node.agent()
         agent.wait_registered()
         for n in range(4):
             node.client.admit_pod(f"pod-{n}", {"main": {GPU: 2}})
-        _wait(lambda: _attributed(node) == 4, "4 attributed records")
+        wait_until(lambda: _attributed(node) == 4, "4 attributed records")
         agent.stop()
         path = os.path.join(node.state, JOURNAL_FILE)
         with open(path, "rb") as f:
@@ -277,7 +269,7 @@ def _corrupt_journal() -> list[str]:
         agent = node.agent()
         agent.wait_registered(2)
         registered = time.monotonic() - t0
-        _wait(lambda: _attributed(node) == 4, "the allocations adopted from podresources")
+        wait_until(lambda: _attributed(node) == 4, "the allocations adopted from podresources")
         adopted = time.monotonic() - t0
         aside = [n for n in os.listdir(node.state) if n.startswith(JOURNAL_FILE + ".bad-")]
         with open(os.path.join(node.state, aside[0]), "rb") as f:
