@@ -2,13 +2,15 @@
 
 Owns: the bucket bounds (seconds, from the gRPC floor of a unix socket to a second) and an
 `observe()` cheap enough for Allocate's path: a bisect and two additions under an uncontended
-lock, no prometheus_client on the start path. Must not import anything of agent: the kubelet
-layer fills these and agent.metrics turns them into Prometheus histograms.
+lock, no prometheus_client on the start path; `timed()`, a handler's call observed in one.
+Must not import anything of agent: the kubelet layer and the DRA plugin fill these and
+agent.metrics turns them into Prometheus histograms.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 
 # Upper bounds ("le") of the buckets, in seconds; +Inf is implied.
@@ -59,3 +61,12 @@ def histograms() -> dict[tuple[str, str], Histogram]:
     """Every (method, resource) histogram made so far."""
     with _REGISTRY_LOCK:
         return dict(_HISTOGRAMS)
+
+
+def timed(hist: Histogram, fn, *args):
+    """fn(*args), its time observed in `hist` (a call that raises too)."""
+    started = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        hist.observe(time.perf_counter() - started)

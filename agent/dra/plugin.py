@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from concurrent import futures
 from typing import Any, Callable, NamedTuple
 
@@ -150,19 +149,15 @@ class _Handlers:
         self.unprepare_latency = latency.histogram("NodeUnprepareResources", DRIVER)
 
     def prepare(self, claims: Any, api: Any) -> Any:
-        start = time.perf_counter()
         try:
-            return self._prepare(claims, api)
+            return latency.timed(self.prepare_latency, self._prepare, claims, api)
         finally:
-            self.prepare_latency.observe(time.perf_counter() - start)
             self.on_change()
 
     def unprepare(self, claims: Any, api: Any) -> Any:
-        start = time.perf_counter()
         try:
-            return self._unprepare(claims, api)
+            return latency.timed(self.unprepare_latency, self._unprepare, claims, api)
         finally:
-            self.unprepare_latency.observe(time.perf_counter() - start)
             self.on_change()
 
     def _prepare(self, claims: Any, api: Any) -> Any:

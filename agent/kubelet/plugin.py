@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from concurrent import futures
 from typing import Callable
 
@@ -56,15 +55,6 @@ def socket_name(resource: str) -> str:
     """gpu-agent-<name after the slash>.sock (gpu-agent-gpu.sock for nvidia.com/gpu: not
     NVIDIA's nvidia-gpu.sock, so the two never remove each other's socket in a migration)."""
     return f"{SOCKET_PREFIX}{resource.rsplit('/', 1)[-1]}.sock"
-
-
-def _timed(histogram: latency.Histogram, handler, request, context):
-    """handler(request, context), its time (refused calls too) observed in `histogram`."""
-    started = time.perf_counter()
-    try:
-        return handler(request, context)
-    finally:
-        histogram.observe(time.perf_counter() - started)
 
 
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
@@ -107,10 +97,10 @@ class _DevicePlugin(dp_grpc.DevicePluginServicer):
             plugin.streams_closed()
 
     def GetPreferredAllocation(self, request, context):
-        return _timed(self._preferred_latency, self._preferred, request, context)
+        return latency.timed(self._preferred_latency, self._preferred, request, context)
 
     def Allocate(self, raw: bytes, context) -> bytes:
-        return _timed(self._allocate_latency, self._allocate, raw, context)
+        return latency.timed(self._allocate_latency, self._allocate, raw, context)
 
     def _allocate(self, raw: bytes, context) -> bytes:
         """The answer to `raw`'s AllocateRequest (bytes in and out: `_add_servicer`), kept for
