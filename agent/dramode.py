@@ -161,14 +161,15 @@ class DraMode:
                     return
 
     def status(self) -> dict:
+        claims = self.claims.listing()
         return {"driver": slices.DRIVER, "node": self.node, "devices": len(self.devices),
                 "tainted": {n: f"{r} ({effect})" for n, (r, _, effect) in
                             sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
                 "registered": self.plugin.registered,
                 "registrations": self.plugin.registrations,
-                "preparedClaims": sorted(f"{v[0]}/{v[1]}" for v in self.claims.prepared.values()),
-                "claims": self.claims.listing()}
+                "preparedClaims": sorted(f"{c['namespace']}/{c['name']}" for c in claims),
+                "claims": claims}
 
     def stop(self) -> None:
         self._stopped.set()

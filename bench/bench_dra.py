@@ -152,5 +152,6 @@ def run() -> Section:
     section.notes.append(
         "A pod with a claim pays prepare once per claim (all its containers share it) and "
         "unprepare when it ends; a device-plugin pod pays Allocate once per container. Both are "
-        "small beside the pod's start on the real kubelet (the section \"Real kubelet: pod created → container running\").")
+        "small beside the pod's start on the real kubelet (the section \"Real kubelet: pod "
+        "created → container running\").")
     return section

@@ -6,8 +6,9 @@ agent's configuration, plus --root, --json and --timeout) and `run(args) -> int`
 code is 0 when every check is ok (or does not apply), 1 with warnings, 2 with failures. The
 checks live in this package, one module per group: driver (NVML), toolkit
 (nvidia-container-toolkit, the CDI spec), runtime (containerd, CRI-O), kubelet (sockets,
-allocatable devices, registration), dra (the DRA driver's sockets, registration and slice), devnodes (device nodes, /dev/char links), service (the
-unit, config, state directory, journal); `runner` runs them, `report` prints them. This module
+allocatable devices, registration), dra (the DRA driver's sockets, registration and slice),
+devnodes (device nodes, /dev/char links), service (the unit, config, state directory,
+journal); `runner` runs them, `report` prints them. This module
 imports nothing heavy: the `gpu-agent` parser imports it. Must not change anything on the node.
 """
 

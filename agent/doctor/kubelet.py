@@ -46,8 +46,8 @@ def _dra_mode(ctx: Context) -> Finding | None:
 
 
 def check_socket(ctx: Context) -> Finding:
-    if _dra_mode(ctx):
-        return _dra_mode(ctx)
+    if (skipped := _dra_mode(ctx)) is not None:
+        return skipped
     path = ctx.cfg.kubelet_socket
     if not path:
         return skip("no kubelet socket configured (--kubelet-socket ''): the agent does not "
@@ -117,8 +117,8 @@ def _ids(ids: set) -> str:
 
 
 def check_allocatable(ctx: Context) -> Finding:
-    if _dra_mode(ctx):
-        return _dra_mode(ctx)
+    if (skipped := _dra_mode(ctx)) is not None:
+        return skipped
     if not ctx.cfg.pod_resources_socket:
         return skip("no podresources socket configured")
     alloc, error = podresources_allocatable(ctx)
@@ -159,8 +159,8 @@ def check_allocatable(ctx: Context) -> Finding:
 
 
 def check_registration(ctx: Context) -> Finding:
-    if _dra_mode(ctx):
-        return _dra_mode(ctx)
+    if (skipped := _dra_mode(ctx)) is not None:
+        return skipped
     doc, error = agent_status(ctx)
     state_dir = ctx.cfg.state_dir
     start = "systemctl enable --now gpu-agent"

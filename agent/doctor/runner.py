@@ -1,8 +1,8 @@
 """Running the doctor's checks in order.
 
-Owns: the order of the check groups (driver, toolkit, runtime, kubelet, dra, devices, agent) and the
-loop boundary around each check: a check that raises is reported as a failure naming the error
-(logged once with its trace), and the others still run. Must not hold checks of its own.
+Owns: the order of the check groups (driver, toolkit, runtime, kubelet, dra, devices, agent)
+and the loop boundary around each check: a check that raises is reported as a failure naming
+the error (logged once with its trace), and the others still run. Must not hold checks of its own.
 """
 
 from __future__ import annotations

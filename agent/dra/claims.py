@@ -17,8 +17,8 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
 - The record: `dra-claims.msgpack` in the state directory, replaced atomically (fsynced) on
   each change: {uid: [namespace, name, [[requests, pool, device, cdi ids], ...], spec path,
   pods]}, pods being the names of the pods the claim was reserved for when it was prepared
-  (for status and metrics; a record of 0575db6 has no pods and loads). One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never overwritten
-  in place.
+  (for status and metrics; a record of 0575db6 has no pods and loads). One that cannot be
+  read is moved aside (`.bad-<unix time>`) and reported, never overwritten in place.
 
 Must not call NVML (`devices` says what the node has) or decide scheduling.
 """

@@ -57,6 +57,13 @@ def socket_name(resource: str) -> str:
     return f"{SOCKET_PREFIX}{resource.rsplit('/', 1)[-1]}.sock"
 
 
+def registration_failed(resource: str, kubelet_socket: str,
+                        exc: grpc.RpcError) -> RegistrationError:
+    """The error of a call to kubelet.sock that failed while registering `resource`."""
+    return RegistrationError(f"registering {resource} with kubelet at {kubelet_socket} failed: "
+                             f"{exc.code().name}: {exc.details()}")
+
+
 class _DevicePlugin(dp_grpc.DevicePluginServicer):
     def __init__(self, plugin: PluginServer):
         self.plugin = plugin
@@ -269,9 +276,7 @@ class PluginServer:
                                             f"{self.resource}")
             call.result()
         except grpc.RpcError as exc:
-            raise RegistrationError(
-                f"registering {self.resource} with kubelet at {kubelet_socket} failed: "
-                f"{exc.code().name}: {exc.details()}") from None
+            raise registration_failed(self.resource, kubelet_socket, exc) from None
 
     def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams end) and remove our socket if it is still ours."""

@@ -35,7 +35,7 @@ import grpc
 
 from agent.dirwatch import DIR_GONE, DirWatch
 from agent.errors import AgentError, RegistrationError
-from agent.kubelet.plugin import REGISTER_TIMEOUT_S, PluginServer
+from agent.kubelet.plugin import REGISTER_TIMEOUT_S, PluginServer, registration_failed
 from agent.rm.manager import ResourceManager
 from agent.signals import drain
 
@@ -75,8 +75,7 @@ def _connect(channel: grpc.Channel, resource: str, kubelet_socket: str) -> str:
     except grpc.RpcError as exc:
         if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
             return ""
-        return f"registering {resource} with kubelet at {kubelet_socket} failed: " \
-               f"{exc.code().name}: {exc.details()}"
+        return str(registration_failed(resource, kubelet_socket, exc))
     return ""
 
 
