@@ -16,13 +16,9 @@ import os
 import signal
 import time
 
-import yaml
-
 from bench import Section, percentile, ratio_row
-from tests.e2e import images
-from tests.e2e.cluster import NODE, ROOT, Cluster, pinned, versions
-from tests.e2e.conftest import NS, E2ENode
-from tests.e2e.kube import gpu_pod
+from tests.e2e.cluster import Cluster, pinned, versions
+from tests.e2e.conftest import NS, RESOURCE_API, E2ENode, device_classes, resource_claim
 
 PODS = 20
 NVIDIA_VERSION = pinned("k8s-device-plugin", "github.com/NVIDIA/k8s-device-plugin")
@@ -43,24 +39,13 @@ def _series(node: E2ENode, prefix: str, resources: dict | None) -> list[float]:
     return [_started(node, f"{prefix}-{i}", resources) for i in range(PODS)]
 
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
-DRIVER = "gpu.nvidia.com"
-
-
 def _claim_started(node: E2ENode, name: str) -> float:
     """A ResourceClaim for one GPU of the class gpu.nvidia.com, made first; then the seconds
     from creating the pod that uses it to the watch showing its container ready."""
     claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
-    node.api.create(claims, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
-    body = gpu_pod(name, NODE, None, images.BUSYBOX)
-    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": name}]
-    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    node.api.create(claims, resource_claim(name))
     start = time.monotonic()
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
-    node.pods.append(name)
+    node.create_pod_with_claim(name, name)
     node.wait_running(name)
     elapsed = time.monotonic() - start
     node.delete_pods(name)
@@ -68,21 +53,14 @@ def _claim_started(node: E2ENode, name: str) -> float:
     return elapsed
 
 
-def _dra(node: E2ENode, cluster: Cluster) -> tuple[list[float], list[float]]:
+def _dra(node: E2ENode) -> tuple[list[float], list[float]]:
     """gpu-agent in DRA mode with the DeviceClasses the package ships: (pods with a claim,
     unchanged pods asking nvidia.com/gpu: 1); then the agent stopped and its slice and classes
     deleted, so that the device-plugin rows meet a node without them."""
-    classes = list(yaml.safe_load_all(
-        (ROOT / "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml").read_text()))
+    classes = device_classes()
     for c in classes:
         node.api.create(f"{RESOURCE_API}/deviceclasses", c)
-    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", cluster.kubelet_root,
-                       "--fault-events", "false", "--node-condition", "false")
-    node.api.wait_for(f"{RESOURCE_API}/resourceslices/{NODE}-{DRIVER}",
-                      lambda s: s, "the agent's ResourceSlice")
-    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"), "the plugin registered")
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
+    agent, _ = node.dra_agent()
     with_claim = [_claim_started(node, f"claim-{i}") for i in range(PODS)]
     mapped = _series(node, "mapped", {GPU: 1})
     agent.status_when(lambda s: not s["dra"]["preparedClaims"], "every claim unprepared")
@@ -118,7 +96,7 @@ def run() -> Section:
         # DRA first, on a node no device plugin has registered nvidia.com/gpu with (kubelet
         # keeps a stopped plugin's resource a while, and the scheduler then takes the
         # device-plugin path for nvidia.com/gpu)
-        with_claim, mapped = _dra(node, cluster)
+        with_claim, mapped = _dra(node)
         node.agent("dgx1-v100", "--pass-device-specs")
         node.wait_allocatable(8)
         agent = _series(node, "agent", {GPU: 1})

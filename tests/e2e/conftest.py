@@ -26,6 +26,11 @@ from tests.e2e.kube import ApiError, gpu_pod, pod_phase, pod_reason
 
 GPU = "nvidia.com/gpu"
 NS = "default"
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+DRIVER = "gpu.nvidia.com"  # gpu-agent's DRA driver name (NVIDIA's)
+# the fault events and the GPUHealthy condition are test_events.py's: a DRA agent's Node
+# events would be found there
+QUIET = ("--fault-events", "false", "--node-condition", "false")
 RESULTS = ROOT / ".e2e" / "results"
 # how often kubelet's podresources is polled where no watch exists: under its rate limit
 # (100 calls a second), and the resolution of the times measured that way
@@ -121,6 +126,27 @@ class E2ENode:
                                          config=config, env=env, kubeconfig=kubeconfig)
         self.agents.append(agent)
         return agent
+
+    def dra_agent(self, *args: str, kubeconfig: str | None = None,
+                  env: dict | None = None) -> tuple[Agent, dict]:
+        """The agent in DRA mode (`args` added, QUIET), its slice published (returned) and its
+        plugin registered by kubelet, and the namespace able to take pods; the node's identity
+        (the kubelet's kubeconfig) unless `kubeconfig` says otherwise."""
+        agent = self.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
+                           self.cluster.kubelet_root, *QUIET, *args, kubeconfig=kubeconfig,
+                           env=env)
+        try:
+            published = self.api.wait_for(f"{RESOURCE_API}/resourceslices/{NODE}-{DRIVER}",
+                                          lambda s: s, "the agent's ResourceSlice")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.logs(60)}") from None
+        agent.status_when(lambda s: (s.get("dra") or {}).get("registered"),
+                          "kubelet registering the DRA plugin")
+        # the controller-manager makes the namespace's default service account a moment after
+        # the cluster starts; the API server refuses pods until it is there
+        self.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
+                          "the default service account")
+        return agent, published
 
     def nvidia_plugin(self, profile: str = "dgx1-v100", config: str = NVIDIA_CONFIG) -> Process:
         """NVIDIA's k8s-device-plugin serving `profile`'s GPUs (the envvar strategy with
@@ -225,6 +251,18 @@ class E2ENode:
                         gpu_pod(name, NODE, resources, images.BUSYBOX, command, annotations))
         self.pods.append(name)
         return name
+
+    def create_pod_with_claim(self, pod: str, claim: str, scheduling_gate: str = "") -> dict:
+        """Pod `pod` whose one container uses the ResourceClaim `claim` (made already), held
+        at `scheduling_gate` if one is named."""
+        body = gpu_pod(pod, NODE, None, images.BUSYBOX)
+        if scheduling_gate:
+            body["spec"]["schedulingGates"] = [{"name": scheduling_gate}]
+        body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+        body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+        made = self.api.create(f"/api/v1/namespaces/{NS}/pods", body)
+        self.pods.append(pod)
+        return made
 
     def pod(self, name: str) -> dict:
         return self.api.get(f"/api/v1/namespaces/{NS}/pods/{name}")
@@ -351,6 +389,30 @@ def node(cluster, results):
     n = E2ENode(cluster, results)
     yield n
     n.cleanup()
+
+
+def device_classes() -> list[dict]:
+    """The DeviceClasses the packages ship (NVIDIA's chart's, with nvidia.com/gpu mapped)."""
+    import yaml
+
+    return list(yaml.safe_load_all(
+        (ROOT / "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml").read_text()))
+
+
+def resource_claim(name: str, count: int = 1, selector: str = "",
+                   config: list | None = None) -> dict:
+    """ResourceClaim `name` asking `count` devices (request "gpu") of the class gpu.nvidia.com,
+    those `selector` (a CEL expression) admits, with `config` (spec.devices.config)."""
+    exactly: dict = {"deviceClassName": DRIVER}
+    if count != 1:
+        exactly["count"] = count
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    devices: dict = {"requests": [{"name": "gpu", "exactly": exactly}]}
+    if config:
+        devices["config"] = config
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name}, "spec": {"devices": devices}}
 
 
 def profile_gpus(profile: str = "dgx1-v100") -> list[dict]:

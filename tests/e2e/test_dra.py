@@ -14,19 +14,22 @@ import signal
 import time
 
 import pytest
-import yaml
 
 from agent.sim import control
-from tests.e2e import images
-from tests.e2e.cluster import NODE, ROOT
-from tests.e2e.conftest import NS, profile_gpus, write_result
-from tests.e2e.kube import ApiError, gpu_pod
+from tests.e2e.cluster import NODE
+from tests.e2e.conftest import (
+    DRIVER,
+    NS,
+    QUIET,
+    RESOURCE_API,
+    device_classes,
+    profile_gpus,
+    resource_claim,
+    write_result,
+)
+from tests.e2e.kube import ApiError
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
-DRIVER = "gpu.nvidia.com"
-# the DeviceClasses the packages ship (NVIDIA's chart's, with nvidia.com/gpu mapped)
-CLASSES = list(yaml.safe_load_all(
-    (ROOT / "packaging/kubernetes/gpu-agent-dra-deviceclasses.yaml").read_text()))
+CLASSES = device_classes()
 
 
 @pytest.fixture
@@ -60,29 +63,10 @@ def dra(node):
         print(f"cleanup: slices not deleted: {exc}")
 
 
-# the fault events and the GPUHealthy condition are test_events.py's: the Node's events of
-# these tests would be found there
-QUIET = ("--fault-events", "false", "--node-condition", "false")
-
-
 def _dra_agent(node, dra, *args: str, kubeconfig: str | None = None, env: dict | None = None):
-    """The agent in DRA mode (`args` added), its slice published, its plugin registered by
-    kubelet, and the DeviceClasses the package ships; the node's identity (the kubelet's
-    kubeconfig) unless `kubeconfig` says otherwise."""
-    agent = node.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir", node.cluster.kubelet_root,
-                       *QUIET, *args, kubeconfig=kubeconfig, env=env)
-    name = f"{NODE}-{DRIVER}"
-    try:
-        published = node.api.wait_for(f"{RESOURCE_API}/resourceslices/{name}",
-                                      lambda s: s, "the agent's ResourceSlice")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{node.logs(60)}") from None
-    agent.status_when(lambda s: (s.get("dra") or {}).get("registered"),
-                      "kubelet registering the DRA plugin")
-    # the controller-manager makes the namespace's default service account a moment after
-    # the cluster starts; the API server refuses pods until it is there
-    node.api.wait_for(f"/api/v1/namespaces/{NS}/serviceaccounts/default", lambda sa: sa,
-                      "the default service account")
+    """node.dra_agent(...), and the DeviceClasses the package ships (made through `dra`, so
+    the test deletes them)."""
+    agent, published = node.dra_agent(*args, kubeconfig=kubeconfig, env=env)
     for c in CLASSES:
         dra(f"{RESOURCE_API}/deviceclasses", c)
     return agent, published
@@ -96,22 +80,9 @@ def _taints_or_skip(k8s_version: str) -> None:
 
 def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1,
                     selector: str = "") -> None:
-    """ResourceClaim `claim` asking `count` devices of the class gpu.nvidia.com (those
-    `selector`, a CEL expression, admits) and pod `pod` using it in its one container."""
-    exactly: dict = {"deviceClassName": DRIVER}
-    if count != 1:
-        exactly["count"] = count
-    if selector:
-        exactly["selectors"] = [{"cel": {"expression": selector}}]
-    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": claim},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})
-    body = gpu_pod(pod, NODE, None, images.BUSYBOX)
-    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
-    node.pods.append(pod)
+    """ResourceClaim `claim` (resource_claim's) and pod `pod` using it in its one container."""
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", resource_claim(claim, count, selector))
+    node.create_pod_with_claim(pod, claim)
 
 
 @pytest.mark.parametrize("identity", ["node", "gpu-agent"])
@@ -329,31 +300,16 @@ def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
     nothing is prepared for them, and a good claim runs beside them."""
     agent, _ = _dra_agent(node, dra)
     claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
-    dra(claims, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": "unknown-config"},
-        "spec": {"devices": {
-            "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
-            "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
-                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "NoSuchConfig"}}}]}}})
-    body = gpu_pod("unknown-config", NODE, None, images.BUSYBOX)
-    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "unknown-config"}]
-    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
-    node.pods.append("unknown-config")
+    dra(claims, resource_claim("unknown-config", config=[
+        {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "NoSuchConfig"}}}]))
+    node.create_pod_with_claim("unknown-config", "unknown-config")
 
     # a claim allocated by hand to gpu-99 of this node's pool and reserved for its pod, which
     # waits at a scheduling gate until then (kubelet's first attempt meets the whole claim)
-    dra(claims, {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                 "metadata": {"name": "missing-device"},
-                 "spec": {"devices": {"requests": [
-                     {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}})
-    body = gpu_pod("missing-device", NODE, None, images.BUSYBOX)
-    body["spec"]["schedulingGates"] = [{"name": "gpu-agent.test/claim-allocated"}]
-    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "missing-device"}]
-    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-    made = node.api.create(f"/api/v1/namespaces/{NS}/pods", body)
-    node.pods.append("missing-device")
+    dra(claims, resource_claim("missing-device"))
+    made = node.create_pod_with_claim("missing-device", "missing-device",
+                                      scheduling_gate="gpu-agent.test/claim-allocated")
     node.api.request("PATCH", f"{claims}/missing-device/status", {"status": {
         "allocation": {
             "devices": {"results": [
