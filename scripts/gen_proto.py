@@ -63,6 +63,16 @@ EXTRA_MODULES = {
         "k8s.io/kubelet/pkg/apis/dra/v1beta1/types.go",
         [("DRA_PLUGIN_SERVICE", '"v1beta1.DRAPlugin"', None)],
     ),
+    "drahealth/v1/constants.py": (
+        "DRA resource-health API v1: its service's name in a registration's supported_versions.",
+        "k8s.io/kubelet/pkg/apis/dra-health/v1/types.go",
+        [("DRA_RESOURCE_HEALTH_SERVICE", '"v1.DRAResourceHealth"', None)],
+    ),
+    "drahealth/v1alpha1/constants.py": (
+        "DRA resource-health API v1alpha1: its service's name in a registration's supported_versions.",
+        "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/types.go",
+        [("DRA_RESOURCE_HEALTH_SERVICE", '"v1alpha1.DRAResourceHealth"', None)],
+    ),
     "podresources/v1/constants.py": (
         "Pod-resources API v1: where kubelet serves it by default.",
         None,

@@ -15,6 +15,8 @@ import pytest
 
 from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
+from agent._proto.drahealth.v1 import api_pb2 as health
+from agent._proto.drahealth.v1 import api_pb2_grpc as health_grpc
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.sim import control
@@ -93,11 +95,26 @@ def test_a_reload_does_not_switch_the_mode(node):
 
 def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
     """KEP-5055: an XID's withdrawal taints that device (NoSchedule, the reason's XID as the
-    value), a new generation of the pool; its recovery removes the taint, nothing restarted."""
+    value), a new generation of the pool; its recovery removes the taint, nothing restarted.
+    KEP-4680: kubelet watching the devices' health sees it Unhealthy, then Healthy."""
     api = KubeApi(NODE)
     agent = _start(node, api, "--mode", "dra", "--recovery-quiet-period", "1s")
     gpu = GPUS[2]
+    name = f"gpu-{gpu['minor']}"
+    channel = _channel(node.path("plugins/gpu.nvidia.com/dra.sock"))
+    watch = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+        health.NodeWatchResourcesRequest(), timeout=120)
+
+    def health_of_gpu() -> tuple[int, str]:
+        for d in next(watch).devices:
+            if d.device == health.DeviceIdentifier(pool_name=NODE, device_name=name):
+                return d.health, d.message
+        raise AssertionError(f"{name} missing from the health stream")
+
+    assert health_of_gpu() == (health.HEALTHY, "")
     control.inject_xid(node.ctl, gpu["index"], 48)  # a double-bit ECC error: reset class
+    state, message = health_of_gpu()
+    assert state == health.UNHEALTHY and "48" in message
 
     def taints():
         spec = api.slices[SLICE]["spec"]
@@ -113,6 +130,8 @@ def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
     assert list(status["dra"]["tainted"]) == [f"gpu-{gpu['minor']}"]
     api.wait(lambda: not taints(), "the taint removed once the GPU is back")
     assert api.slices[SLICE]["spec"]["pool"]["generation"] == 3
+    assert health_of_gpu() == (health.HEALTHY, "")
+    channel.close()
     assert agent.alive()
 
 

@@ -17,6 +17,10 @@ from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
 from agent._proto.dra.v1beta1 import api_pb2 as v1beta1
 from agent._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent._proto.drahealth.v1 import api_pb2 as health_v1
+from agent._proto.drahealth.v1 import api_pb2_grpc as health_v1_grpc
+from agent._proto.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
+from agent._proto.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.dra.plugin import DraPlugin, Prepared
@@ -65,7 +69,11 @@ def test_the_registration_socket_names_the_driver_its_socket_and_versions(plugin
         stub = reg_grpc.RegistrationStub(ch)
         info = stub.GetInfo(reg.InfoRequest(), timeout=10)
         assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == (
-            "DRAPlugin", "gpu.nvidia.com", plugin.socket, ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+            "DRAPlugin", "gpu.nvidia.com", plugin.socket,
+            # the health service: kubelet 1.37 picks the first it knows (dra_plugin.go:59-62,
+            # dra_plugin_manager.go pickHealthService); 1.34 ignores what it does not know
+            ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+             "v1alpha1.DRAResourceHealth"])
         stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True),
                                       timeout=10)
         assert plugin.registered is True
@@ -116,3 +124,36 @@ def test_stop_removes_both_sockets_and_a_stale_one_is_replaced(tmp_path):
             assert info.endpoint == again.socket
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("api, api_grpc", [(health_v1, health_v1_grpc),
+                                           (health_v1alpha1, health_v1alpha1_grpc)],
+                         ids=["v1", "v1alpha1"])
+def test_kubelet_watching_health_gets_every_device_then_each_change(plugin, api, api_grpc):
+    """NodeWatchResources as kubelet reads it (pkg/kubelet/cm/dra/manager.go
+    HandleWatchResourcesStream): the whole list first, then again when a device's health
+    changes; a stream kubelet cancels ends, and the plugin's stop ends the others."""
+    plugin.health.set({("n1", "gpu-0"): "", ("n1", "gpu-1"): ""})
+    with _channel(plugin.socket) as ch:
+        stream = api_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
+            api.NodeWatchResourcesRequest(), timeout=30)
+        first = next(stream)
+        assert [(d.device.pool_name, d.device.device_name, d.health, d.message)
+                for d in first.devices] == [("n1", "gpu-0", api.HEALTHY, ""),
+                                             ("n1", "gpu-1", api.HEALTHY, "")]
+        assert all(d.health_check_timeout_seconds > 60 and d.last_updated_time > 0
+                   for d in first.devices)
+        plugin.health.set({("n1", "gpu-0"): "", ("n1", "gpu-1"): "XID 79 (fell off the bus)"})
+        changed = next(stream)
+        assert [(d.device.device_name, d.health, d.message) for d in changed.devices] == [
+            ("gpu-0", api.HEALTHY, ""), ("gpu-1", api.UNHEALTHY, "XID 79 (fell off the bus)")]
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            next(stream)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        second = api_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
+            api.NodeWatchResourcesRequest(), timeout=30)
+        assert len(next(second).devices) == 2
+        plugin.stop()  # the open stream ends, it does not hold the stop
+        with pytest.raises((grpc.RpcError, StopIteration)):
+            next(second)

@@ -6,9 +6,10 @@ DRAPlugin service in v1 and v1beta1 from one pair of handlers, and the registrat
 looks) serving pluginregistration.Registration: GetInfo names the plugin (type DRAPlugin,
 name gpu.nvidia.com, the DRA socket as endpoint, versions v1.DRAPlugin and v1beta1.DRAPlugin,
 as NVIDIA's driver registers: kubeletplugin/draplugin.go, registrationserver.go), and
-NotifyRegistrationStatus is kept (`registered`, `registration_error`) and logged. The DRA
-socket serves before the registration socket appears, and the registration socket goes first
-at stop. NodePrepareResources and NodeUnprepareResources hand each claim to the `claims`
+NotifyRegistrationStatus is kept (`registered`, `registration_error`) and logged; the DRA
+socket also serves the devices' health (agent.dra.health, listed in the registration too). The
+DRA socket serves before the registration socket appears, and the registration socket goes
+first at stop. NodePrepareResources and NodeUnprepareResources hand each claim to the `claims`
 object (`prepare(ClaimRef) -> [Prepared]`, `unprepare(ClaimRef)`); a claim that fails gets its
 error in its own answer (kubelet retries it) and the others are answered. Must not call NVML
 or the API server (the claims object does), nor decide what a claim gets.
@@ -33,13 +34,15 @@ from agent._proto.dra.v1beta1.constants import DRA_PLUGIN_SERVICE as V1BETA1_SER
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent._proto.pluginregistration.v1.constants import DRA_PLUGIN
+from agent.dra import health as health_api
 from agent.dra.slices import DRIVER
 from agent.errors import AgentError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
-WORKERS = 4  # kubelet calls a DRA plugin one claim batch at a time per pod
+WORKERS = 8  # kubelet calls a DRA plugin one claim batch at a time per pod; a health stream
+# holds one worker while it is open (one per kubelet)
 
 
 class ClaimRef(NamedTuple):
@@ -77,6 +80,7 @@ class DraPlugin:
         self.registered: bool | None = None  # as kubelet last said; None: not yet
         self.registrations = 0  # times kubelet said registered (each kubelet start once)
         self.registration_error = ""
+        self.health = health_api.HealthFeed()
         self._servers: list[tuple[grpc.Server, str]] = []
 
     def start(self) -> None:
@@ -85,6 +89,7 @@ class DraPlugin:
         handlers = _Handlers(self.claims, self.on_change)
         v1_grpc.add_DRAPluginServicer_to_server(_Servicer(handlers, v1), dra)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_Servicer(handlers, v1beta1), dra)
+        health_api.add_to_server(self.health, dra)
         self._serve(dra, self.socket)
         registration = _server()
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), registration)
@@ -103,6 +108,7 @@ class DraPlugin:
 
     def stop(self) -> None:
         """The registration socket first (kubelet unregisters), then the DRA socket."""
+        self.health.close()  # its streams end (they would hold server.stop)
         for server, path in reversed(self._servers):
             server.stop(None)
             if os.path.lexists(path):
@@ -131,7 +137,8 @@ class _Registration(reg_grpc.RegistrationServicer):
     def GetInfo(self, request, context):
         return reg.PluginInfo(type=DRA_PLUGIN, name=self.plugin.driver,
                               endpoint=self.plugin.socket,
-                              supported_versions=[V1_SERVICE, V1BETA1_SERVICE])
+                              supported_versions=[V1_SERVICE, V1BETA1_SERVICE,
+                                                  *health_api.SERVICES])
 
     def NotifyRegistrationStatus(self, request, context):
         self.plugin.notified(request.plugin_registered, request.error)

@@ -1,0 +1,1 @@
+"""Generated from proto/drahealth/v1alpha1/ by scripts/gen_proto.py. Never edited by hand."""
