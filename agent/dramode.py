@@ -3,14 +3,14 @@
 Owns: reading what the node publishes (discovery's GPUs, their MIG devices, and what
 agent.nvml.identity adds) into agent.dra.slices' devices and the claims' view of them; the API
 client (agent.kubeconfig) and the node's name (agent.nodeName); publishing the ResourceSlice
-after each read (start, reload, NVML back) and each change of the devices' health (by the `dra-
-slices` thread, at once), retried every RETRY_S while the API server refuses or does not answer
-(the thread sleeps otherwise); and the kubelet plugin (agent.dra.plugin, in agent.kubeletDir's
-plugins_registry and plugins directories) answering from agent.dra.claims, whose CDI specs go to
-the last of agent.cdiSpecDirs; and each device the health monitor withdraws tainted in the slice
-(agent.dra.slices.with_taints) until it is back, and reported unhealthy to kubelet
-(agent.dra.health) meanwhile. Must not register device-plugin resources (agent.daemon starts no
-registrar in this mode) nor decide health (the monitor does).
+after each read (start, reload, NVML back) and each change of the devices' health (by the
+`dra-slices` thread, at once), retried every RETRY_S while the API server refuses or does not
+answer (the thread sleeps otherwise); and the kubelet plugin (agent.dra.plugin, in
+agent.kubeletDir's plugins_registry and plugins directories) answering from agent.dra.claims,
+whose CDI specs go to the last of agent.cdiSpecDirs; and each device the health monitor
+withdraws tainted in the slice (agent.dra.slices.with_taints) until it is back, and reported
+unhealthy to kubelet (agent.dra.health) meanwhile. Must not register device-plugin resources
+(agent.daemon starts no registrar in this mode) nor decide health (the monitor does).
 """
 
 from __future__ import annotations
