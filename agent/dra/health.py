@@ -3,9 +3,10 @@
 Owns: the health of each published device (`HealthFeed.set`: pool, device name -> healthy and
 why not), and NodeWatchResources in v1 and v1alpha1 (kubelet 1.37 picks the first of those the
 registration lists; 1.34's, with the ResourceHealthStatus gate on, calls v1alpha1): each stream
-gets every device at once, then again on each change, and at least every REFRESH_S, with a
-health_check_timeout_seconds of STALE_S, after which kubelet reads a device whose agent
-stopped answering as Unknown. kubelet shows it in the pod's
+gets every device at once, then again on each change, and again after REFRESH_S without one
+(kubelet times a device out, as Unknown, when it is not sent again within
+health_check_timeout_seconds, STALE_S; 1.34's v1alpha1 has no such field and a fixed 30 s,
+so v1alpha1 streams are sent again every REFRESH_V1ALPHA1_S). kubelet shows it in the pod's
 status.containerStatuses[].allocatedResourcesStatus. A stream ends when kubelet cancels it or
 the plugin stops. Must not decide health (agent.dramode hands over what the monitor says).
 """
@@ -27,6 +28,7 @@ from agent._proto.drahealth.v1alpha1.constants import (
 
 REFRESH_S = 60.0  # an idle stream is sent the same health again this often
 STALE_S = 180  # health_check_timeout_seconds: 3 refreshes missed, kubelet says Unknown
+REFRESH_V1ALPHA1_S = 20.0  # kubelet 1.34: a fixed 30 s timeout (cm/dra/healthinfo.go:31-33)
 MESSAGE_MAX = 1024  # kubelet truncates longer messages
 SERVICES = (V1_SERVICE, V1ALPHA1_SERVICE)  # in a registration's supported_versions, newest first
 
@@ -55,7 +57,7 @@ class HealthFeed:
             self._closed = True
             self._cond.notify_all()
 
-    def watch(self, api: Any, context: Any):
+    def watch(self, api: Any, context: Any, refresh: float = REFRESH_S):
         """The responses of one NodeWatchResources stream in API `api`."""
         ended = threading.Event()
 
@@ -72,7 +74,7 @@ class HealthFeed:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda last=seen: self._closed or ended.is_set() or
-                                        self._version != last, timeout=REFRESH_S)
+                                        self._version != last, timeout=refresh)
                     if self._closed or ended.is_set():
                         return
                     seen, health = self._version, sorted(self._health.items())
@@ -88,13 +90,14 @@ class HealthFeed:
 
 
 class _Servicer:
-    def __init__(self, feed: HealthFeed, api: Any):
-        self.feed, self.api = feed, api
+    def __init__(self, feed: HealthFeed, api: Any, refresh: float):
+        self.feed, self.api, self.refresh = feed, api, refresh
 
     def NodeWatchResources(self, request, context):
-        return self.feed.watch(self.api, context)
+        return self.feed.watch(self.api, context, self.refresh)
 
 
 def add_to_server(feed: HealthFeed, server: Any) -> None:
-    v1_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(feed, v1), server)
-    v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(feed, v1alpha1), server)
+    v1_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(feed, v1, REFRESH_S), server)
+    v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
+        _Servicer(feed, v1alpha1, REFRESH_V1ALPHA1_S), server)

@@ -58,6 +58,12 @@ class ClusterError(Exception):
     """A component is missing or did not start; the message says which and shows its log."""
 
 
+# Before 1.36 kubelet reports a DRA device's health in pod status only with this alpha gate on,
+# in kubelet and kube-apiserver (which drops the field otherwise) (KEP-4680: beta, on by
+# default, from 1.36); the e2e cluster turns it on there (docs/e2e.md).
+OLD_GATES = {"ResourceHealthStatus": True}
+
+
 def versions() -> list[str]:
     """The Kubernetes versions pinned under tests/e2e/components, newest first."""
     found = [d.name.removeprefix("kubernetes-v") for d in COMPONENTS.glob("kubernetes-v*")]
@@ -295,7 +301,7 @@ class Cluster:
             "--service-account-key-file", p.path("sa.pub"),
             "--service-account-signing-key-file", p.path("sa.key"),
             "--service-cluster-ip-range", "10.96.0.0/16", "--allow-privileged=true",
-            "--profiling=false", "--v", "1"], self.logs)
+            *self.gates(), "--profiling=false", "--v", "1"], self.logs)
         self.api = Kube(self.server, p.users["admin"].token, p.ca)
         _wait(self.api.readyz, "kube-apiserver ready", STARTUP, proc)
 
@@ -410,6 +416,15 @@ state = "{self.path('containerd', 'state')}"
             raise ClusterError(f"kubectl {' '.join(args)}: {out.stderr.strip()}")
         return out.stdout
 
+    @property
+    def minor(self) -> int:
+        return int(self.version.split(".")[1])
+
+    def gates(self) -> list[str]:
+        """The --feature-gates argument of this version's control plane (OLD_GATES)."""
+        return (["--feature-gates", ",".join(f"{k}={str(v).lower()}" for k, v in
+                                             OLD_GATES.items())] if self.minor < 36 else [])
+
     def _kubelet_config(self) -> str:
         path = self.path("kubelet.yaml")
         Path(path).write_text(json.dumps({
@@ -430,6 +445,7 @@ state = "{self.path('containerd', 'state')}"
             "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%",
                              "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
             "registerNode": True,
+            **({"featureGates": OLD_GATES} if self.minor < 36 else {}),
         }))
         return path
 

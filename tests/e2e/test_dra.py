@@ -202,6 +202,45 @@ def test_a_reset_class_taint_goes_by_itself_and_a_claim_then_gets_the_gpu(node, 
     assert agent.proc.alive()
 
 
+def _resource_health(pod: dict) -> list[tuple[str, str]]:
+    """(resource ID, health) of the pod's container's claims, as kubelet reports them."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return [(r["resourceID"], r.get("health", ""))
+            for c in statuses for a in c.get("allocatedResourcesStatus") or []
+            for r in a.get("resources") or []]
+
+
+def test_a_running_pods_gpu_shows_unhealthy_in_its_status_after_an_xid_and_healthy_after(
+        node, dra):
+    """KEP-4680 (ResourceHealthStatus: beta from 1.36; the e2e cluster turns the gate on for
+    older kubelets): kubelet watches the agent's NodeWatchResources and writes the device's
+    health into the pod's containerStatuses[].allocatedResourcesStatus."""
+    agent, _ = _dra_agent(node, dra, "--recovery-quiet-period", "5s")
+    # named as the pod names its claim: kubelet 1.34 matches the container's claim by the
+    # ResourceClaim's name (cm/dra/manager.go UpdateAllocatedResourcesStatus); 1.37 by either
+    _pod_with_claim(node, dra, "watched", "gpu")
+    node.wait_running("watched")
+    claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/gpu")
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    # the device's first CDI ID (kubelet's manager.go: driver/pool/device when it has none)
+    resource = f"k8s.{DRIVER}/claim={claim['metadata']['uid']}-{device}"
+    pod = f"/api/v1/namespaces/{NS}/pods/watched"
+    node.api.wait_for(pod, lambda p: (resource, "Healthy") in _resource_health(p),
+                      "the GPU Healthy in the pod's status")
+    gpu = next(g for g in profile_gpus() if f"gpu-{g['minor']}" == device)
+    start = time.monotonic()
+    control.inject_xid(agent.control, gpu["index"], 48)
+    node.api.wait_for(pod, lambda p: (resource, "Unhealthy") in _resource_health(p),
+                      "the GPU Unhealthy in the pod's status", timeout=60)
+    write_result(node.results, "dra_xid_to_pod_status_unhealthy_s",
+                 round(time.monotonic() - start, 3))
+    node.api.wait_for(pod, lambda p: (resource, "Healthy") in _resource_health(p),
+                      "the GPU Healthy again after recovery", timeout=90)
+    write_result(node.results, "dra_xid_to_pod_status_healthy_again_after_5s_quiet_s",
+                 round(time.monotonic() - start, 3))
+    assert agent.proc.alive()
+
+
 def test_a_claim_for_two_gpus_chosen_by_product_name_gets_both(node, dra):
     """A claim for two GPUs chosen by a CEL selector on productName (an attribute NVIDIA's
     driver publishes): the container has both GPUs' nodes and UUIDs."""
