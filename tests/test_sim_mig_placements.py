@@ -278,3 +278,64 @@ def test_a_created_instance_survives_a_restart_of_the_library(node):
     device = N.nvmlDeviceGetHandleByIndex(2)
     assert mig_uuids(device) == uuids and peek(env, 2)["migs"] == uuids
     assert [placement_of(g) for g in gpu_instances(device, 5)] == [(2, 2)]
+
+
+# ---- the commands and the profile check (Python, agent/sim/mig.py and profile.py) ----
+
+def test_sim_mig_create_with_a_placement(node, sim_control):
+    from tests.conftest import run_gpu_agent
+
+    env = node("h100-mig")
+    from agent.sim import mig as sim_mig
+
+    sim_mig.set_layout(sim_control, 2, {}, profile="h100-mig")
+    out = run_gpu_agent("sim", "mig", "create", "--gpu", "2", "--placement", "4", "3g.40gb",
+                        "--control-dir", str(sim_control), "--profile", "h100-mig")
+    assert out.stdout.splitlines() == ["mig gpu=2 create=3g.40gb placement=4"]
+    device = N.nvmlDeviceGetHandleByIndex(2)
+    assert [placement_of(g) for g in gpu_instances(device, 9)] == [(4, 4)]
+    assert len(mig_uuids(device)) == 1 and peek(env, 2)["gis"] == [[1, 9, 4, 4]]
+    out = run_gpu_agent("sim", "mig", "create", "--gpu", "2", "--placement", "2", "3g.40gb",
+                        "--control-dir", str(sim_control), "--profile", "h100-mig", check=False)
+    assert out.returncode == 2 and "3g.40gb has placements [0, 4] (size 4), not 2" in out.stderr
+
+
+def test_layouts_that_do_not_fit_the_placements_are_refused(node, sim_control):
+    from agent.errors import SimError
+    from agent.sim import mig as sim_mig
+    from agent.sim.profile import load_profile
+
+    a100 = load_profile("a100-mig")
+    # 7 compute slices, but the two 3g.40gb take all eight memory slices
+    with pytest.raises(SimError, match="does not fit the placements"):
+        sim_mig.check_layout(a100, 0, {"3g.40gb": 2, "1g.10gb": 1})
+    sim_mig.check_layout(a100, 0, {"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2})  # fits
+    # the library refuses such a layout record too: nothing changes
+    node("a100-mig")
+    device = N.nvmlDeviceGetHandleByIndex(5)
+    before = mig_uuids(device)
+    from agent.sim.control import append_record
+
+    append_record(sim_control, "mig gpu=5 layout=3g.40gb:2,1g.10gb:1")
+    assert mig_uuids(device) == before
+
+
+def test_a_profile_whose_instances_do_not_fit_is_refused_by_both_readers(node, tmp_path,
+                                                                       monkeypatch):
+    from agent.errors import SimError
+    from agent.sim.profile import load_profile
+    from tests.conftest import drain_nvml
+
+    text = (ROOT / "agent/sim/profiles/h100-mig.yaml").read_text()
+    extra = ('        - gi: 2\n          ci: 0\n          profile: 2\n'
+             '          uuid: "MIG-6b3d5c8f-f5d2-5c36-8006-a8c3da76a680"\n')
+    anchor = '          uuid: "MIG-23f263d7-380d-5902-83b9-357fca112869"\n'
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(anchor, anchor + extra))  # GPU 6: 1g.10gb+me + 2x 3g.40gb
+    with pytest.raises(SimError, match="gpus\\[6\\].mig.instances: they do not fit"):
+        load_profile(str(bad))
+    node("h100-mig")
+    drain_nvml()
+    monkeypatch.setenv("GPU_AGENT_SIM_PROFILE", str(bad))
+    with pytest.raises(N.NVMLError_Unknown):
+        N.nvmlInit()
