@@ -13,6 +13,7 @@
  *   control.c  the control channel (record log + inotify), event sets, waits
  *   system.c   init/shutdown refcount, error strings, system queries
  *   device.c   device, PCI, topology, NVLink, MIG, ECC and event-type queries
+ *   mig.c      MIG placements; creating and destroying GPU and compute instances
  *   telemetry.c  telemetry (utilization, temperature, power, clocks, retired pages, remapped
  *              rows): per-product defaults, `telemetry` records, the getters and their delay
  */
