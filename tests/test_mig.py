@@ -324,7 +324,7 @@ MIXED_H100 = {
     "nvidia.com/mig-1g.10gb.me": 1,  # GPU 6
     "nvidia.com/mig-1g.20gb": 4,  # GPU 4
     "nvidia.com/mig-2g.20gb": 1,  # GPU 1
-    "nvidia.com/mig-3g.40gb": 1 + 2,  # GPU 1; GPU 6
+    "nvidia.com/mig-3g.40gb": 1 + 1,  # GPU 1; GPU 6
     "nvidia.com/mig-4g.40gb": 1,  # GPU 3
     "nvidia.com/mig-7g.80gb": 1,  # GPU 5
     "nvidia.com/mig-3g.40gb-split": 2,  # GPU 3: 1c.3g.40gb, 2c.3g.40gb ([MIGMAP] pattern)

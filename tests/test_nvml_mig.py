@@ -69,13 +69,19 @@ def test_sim_mig_records_change_the_layout_every_reader_sees(node, sim_control):
     before = {d.uuid: d for d in mig.read_mig_devices(gpus) if d.parent.index == 5}
     assert sorted(d.profile for d in before.values()) == ["3g.40gb", "3g.40gb"]
     shape = mig.layout(gpus)
-    sim_mig.create(sim_control, 5, "1g.10gb", profile="a100-mig")  # 6 of 7 slices used
-    sim_mig.create(sim_control, 5, "1g.10gb", profile="a100-mig")  # no room: nothing made
+    # the two 3g.40gb take all eight memory slices (placements 0:4 and 4:4): no 1g.10gb fits
+    sim_mig.create(sim_control, 5, "1g.10gb", profile="a100-mig")
+    assert mig.layout(gpus) == shape
+    keep, gone = [d for d in mig.read_mig_devices(gpus) if d.parent.index == 5]
+    sim_mig.destroy(sim_control, gone.uuid)  # frees slices 4-7
+    shape = mig.layout(gpus)
+    sim_mig.create(sim_control, 5, "2g.20gb", profile="a100-mig")  # at 4:2
+    sim_mig.create(sim_control, 5, "3g.40gb", profile="a100-mig")  # no room: nothing made
     after = [d for d in mig.read_mig_devices(gpus) if d.parent.index == 5]
-    assert [d.profile for d in after] == ["3g.40gb", "3g.40gb", "1g.10gb"]
-    assert {d.uuid for d in after[:2]} == set(before)  # the instances there keep their UUIDs
-    new = after[2]
-    assert new.uuid.startswith("MIG-") and new.gi not in {d.gi for d in before.values()}
+    assert [d.profile for d in after] == ["3g.40gb", "2g.20gb"]
+    assert after[0].uuid == keep.uuid  # the instance there keeps its UUID
+    new = after[1]
+    assert new.uuid.startswith("MIG-") and new.uuid not in before and new.gi != keep.gi
     assert mig.layout(gpus) != shape
     sim_mig.destroy(sim_control, new.uuid)
     assert mig.layout(gpus) == shape

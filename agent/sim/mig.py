@@ -15,7 +15,9 @@ the GPU has), and reading nvidia-mig-parted's config file shape for `apply`:
 
 Must not read the control log back or talk to NVML: the library applies the records (instances
 of a profile already there keep their UUIDs; new ones get the lowest free GPU instance ID and a
-UUID derived from the GPU's), so every process that loaded it sees the same node.
+UUID derived from the GPU's; every instance gets a placement), so every process that loaded it
+sees the same node. A layout must also fit the placements of its profiles (profile.py's
+instances_fit, the library's rule).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Mapping
 from agent.errors import SimError
 from agent.sim import ENV_PROFILE
 from agent.sim.control import append_record, control_dir
+from agent.sim.profile import gi_placements, instances_fit
 
 
 def _profile(profile: str | None) -> dict:
@@ -68,6 +71,12 @@ def check_layout(profile: dict, index: int, layout: Mapping[str, int]) -> None:
         raise SimError(f"GPU {index}: the layout {dict(layout)} needs {used} slices and "
                        f"{count} instances; the GPU has {slices} slices and at most "
                        f"{mig['max_devices']} instances")
+    instances = [dict(gi=k, profile=by_name[name]["nvml_profile"])
+                 for k, (name, n) in enumerate((name, n) for name, n in layout.items()
+                                               for _ in range(n))]
+    if not instances_fit(mig["profiles"], instances):
+        raise SimError(f"GPU {index}: the layout {dict(layout)} does not fit the placements "
+                       f"of its profiles (docs/simulator.md)")
 
 
 def set_layout(ctl: str | os.PathLike | None, index: int, layout: Mapping[str, int] | None,
@@ -86,12 +95,22 @@ def set_layout(ctl: str | os.PathLike | None, index: int, layout: Mapping[str, i
 
 
 def create(ctl: str | os.PathLike | None, index: int, name: str,
-           profile: str | None = None) -> str:
-    """Create one instance of MIG profile `name` on GPU `index` (MIG must be enabled)."""
+           profile: str | None = None, placement: int | None = None) -> str:
+    """Create one instance of MIG profile `name` on GPU `index` (MIG must be enabled): a GPU
+    instance with a compute instance of all its slices, at memory slice `placement` (one of
+    the profile's placements), or the lowest free one."""
     node = _profile(profile)
-    if name not in {p["name"] for p in _mig_gpu(node, index)["mig"]["profiles"]}:
+    mig = _mig_gpu(node, index)["mig"]
+    by_name = {p["name"]: p for p in mig["profiles"]}
+    if name not in by_name:
         raise SimError(f"GPU {index}: no MIG profile {name!r}")
-    return append_record(ctl, f"mig gpu={index} create={name}")
+    if placement is None:
+        return append_record(ctl, f"mig gpu={index} create={name}")
+    starts, size = gi_placements(mig["profiles"])[by_name[name]["nvml_profile"]]
+    if placement not in starts:
+        raise SimError(f"GPU {index}: {name} has placements {starts} (size {size}), not "
+                       f"{placement}")
+    return append_record(ctl, f"mig gpu={index} create={name} placement={placement}")
 
 
 def destroy(ctl: str | os.PathLike | None, mig_uuid: str) -> str:
@@ -161,7 +180,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
-    print(create(args.control_dir, args.gpu, args.mig_profile, args.profile))
+    print(create(args.control_dir, args.gpu, args.mig_profile, args.profile, args.placement))
     return 0
 
 
@@ -192,6 +211,9 @@ def add_cli(simsub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("create", help="create one MIG instance on a GPU")
     p.add_argument("--gpu", type=int, required=True, help="GPU index")
     p.add_argument("mig_profile", metavar="PROFILE", help="MIG profile name, e.g. 1g.10gb")
+    p.add_argument("--placement", type=int, default=None, metavar="S",
+                   help="the first memory slice, one of the profile's placements (default: "
+                        "the lowest free one)")
     common(p)
     p.set_defaults(func=_cmd_create)
 

@@ -42,6 +42,8 @@ MAX_MIG_PROFILES = 32
 MAX_SWITCHES = 64
 MAX_CPUS = 4096
 NUM_GI_PROFILES = 0x12
+MAX_CI = 8  # compute instances per GPU instance (ids 0-7; nvidia-caps numbers ci0-ci7)
+MAX_MEM_SLICES = 8
 LEN_NAME = 96
 LEN_SERIAL = 30
 LEN_VERSION = 80
@@ -407,7 +409,7 @@ def _validate_mig(v: _V, mig: dict, path: str) -> dict:
             v.fail(q, f"expected a mapping, found {v.kind(inst)}")
         v.keys(inst, q, ("gi", "ci", "profile", "uuid", "compute_slices"))
         gi = v.integer(inst, q, "gi", 0, U32 - 1)
-        ci = v.integer(inst, q, "ci", 0, U32 - 1)
+        ci = v.integer(inst, q, "ci", 0, MAX_CI - 1)
         if (gi, ci) in pairs:
             v.fail(q, f"duplicate gi {gi} / ci {ci}")
         pairs.add((gi, ci))
@@ -421,7 +423,67 @@ def _validate_mig(v: _V, mig: dict, path: str) -> dict:
             slices = next(p["slices"] for p in out["profiles"] if p["nvml_profile"] == prof)
             v.integer(inst, q, "compute_slices", 1, slices)
         out["instances"].append(dict(inst))
+    if not instances_fit(out["profiles"], out["instances"]):
+        v.fail(p, "they do not fit the placements of their profiles (docs/simulator.md)")
     return out
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p <<= 1
+    return p
+
+
+def gi_placements(profiles: list[dict]) -> dict[int, tuple[list[int], int]]:
+    """{nvml_profile: (starts, size)}: where a GPU instance of each profile may sit, in memory
+    slices, derived as the library derives them (agent/sim/nvml/mig.c, docs/simulator.md):
+    NVIDIA's tables for A100, H100 and A30."""
+    cs = max((p["slices"] for p in profiles), default=0)
+    mem = max((p["memory_mb"] for p in profiles), default=0)
+    ms = min(_pow2_at_least(cs or 1), MAX_MEM_SLICES)
+    out = {}
+    for p in profiles:
+        share = (p["memory_mb"] * ms + mem // 2) // mem if mem else 1
+        size = min(_pow2_at_least(max(p["slices"], share)), ms)
+        out[p["nvml_profile"]] = ([s for s in range(0, ms, size)
+                                   if s + size <= ms and s + p["slices"] <= cs], size)
+    return out
+
+
+def _place(items: list[tuple[list[int], int]], used: int = 0) -> bool:
+    """Whether items (starts, size) can each take one of their starts without overlap."""
+    if not items:
+        return True
+    (starts, size), rest = items[0], items[1:]
+    for s in starts:
+        span = ((1 << size) - 1) << s
+        if not used & span and _place(rest, used | span):
+            return True
+    return False
+
+
+def instances_fit(profiles: list[dict], instances: list[dict]) -> bool:
+    """Whether MIG `instances` (gi, profile as nvml_profile, compute_slices) fit the placements
+    of their GPU instances' profiles, and their compute instances those of the GPU instances."""
+    table = gi_placements(profiles)
+    slices = {p["nvml_profile"]: p["slices"] for p in profiles}
+    gis: dict[int, int] = {}
+    for inst in instances:
+        gis.setdefault(inst["gi"], inst["profile"])
+    if not _place([table[p] for p in gis.values()]):
+        return False
+    for gi, prof in gis.items():
+        gs = slices[prof]
+        cis = []
+        for inst in instances:
+            if inst["gi"] == gi:
+                size = min(inst.get("compute_slices") or gs, gs)
+                step = _pow2_at_least(size)
+                cis.append(([s for s in range(0, gs, step) if s + size <= gs][:MAX_CI], size))
+        if not _place(cis):
+            return False
+    return True
 
 
 def _validate_gpu(v: _V, gpu: Any, index: int, ngpus: int, nswitches: int) -> dict:

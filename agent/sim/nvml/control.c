@@ -7,7 +7,8 @@
  * counters, MIG layouts; telemetry records are handed to telemetry.c), queueing events
  * for the event sets that registered for them, and waking blocked waits through inotify on
  * the control directory plus poll(): an idle wait sleeps in the kernel. Must not write to the
- * control directory (only the commands do) and must not hold the global lock while blocking.
+ * control directory but for the `mig` records the NVML create/destroy calls commit
+ * (sim_control_commit), and must not hold the global lock while blocking.
  *
  * Records (docs/simulator.md): `OP KEY=VALUE ...` with OP one of
  *   xid gpu=<index|GPU-uuid|MIG-uuid|none> xid=<n> [gi=<n>] [ci=<n>]
@@ -17,8 +18,12 @@
  *   hang gpu=<index|GPU-uuid> until_ns=<CLOCK_MONOTONIC ns>   (0: the hang ends now)
  *   mig gpu=<index|GPU-uuid> mode=enabled|disabled
  *   mig gpu=<index|GPU-uuid> layout=<profile>:<count>[,<profile>:<count>...]
- *   mig gpu=<index|GPU-uuid> create=<profile>
- *   mig gpu=<MIG-uuid> destroy=1
+ *   mig gpu=<index|GPU-uuid> create=<profile> [placement=<start>]   (a GPU instance + its CI)
+ *   mig gpu=<MIG-uuid> destroy=1                                     (the CI, and its GI if last)
+ *   mig gpu=<...> gi_create=<profile> [placement=<start>] [token=<t>]
+ *   mig gpu=<...> gi_destroy=<gi id> [token=<t>]
+ *   mig gpu=<...> ci_create=<gi id> ci_profile=<NVML CI profile> [placement=<start>] [token=<t>]
+ *   mig gpu=<...> ci_destroy=<gi id> ci=<ci id> [token=<t>]
  *   telemetry gpu=<index|GPU-uuid> KEY=VALUE...   (keys: telemetry.c)
  * At the 0->1 nvmlInit the whole log is replayed for state only (lost, ECC counts, MIG
  * layouts, telemetry); events are queued only for records appended after that init.
@@ -189,66 +194,10 @@ static int profile_by_name(const sim_gpu *g, const char *name, size_t len)
     return -1;
 }
 
-static unsigned int used_slices(const sim_gpu *g, const sim_mig *migs, int n)
-{
-    unsigned int used = 0;
-    for (int i = 0; i < n; i++)
-        used += g->profiles[migs[i].profile].slices;
-    return used;
-}
-
-/* The GPU's slices: those of its largest GPU instance profile (7 on A100 and H100). */
-static unsigned int all_slices(const sim_gpu *g)
-{
-    unsigned int most = 0;
-    for (int p = 0; p < g->nprofiles; p++)
-        if (g->profiles[p].slices > most)
-            most = g->profiles[p].slices;
-    return most;
-}
-
-/* A new instance of profile `p` on GPU `gpu`: the lowest free GPU instance ID, compute
- * instance 0, and a UUID derived from the GPU's UUID, the GI ID and a per-GPU counter (the
- * same in every process that replays the log). */
-static void new_instance(sim_gpu *g, sim_mig *migs, int n, int p)
-{
-    unsigned int gi = 1;
-    for (int again = 1; again;) {
-        again = 0;
-        for (int i = 0; i < n; i++)
-            if (migs[i].gi == gi) {
-                gi++;
-                again = 1;
-            }
-    }
-    unsigned long long h = 1469598103934665603ULL; /* FNV-1a of uuid, gi and the counter */
-    char key[SIM_LEN_NAME + 32];
-    snprintf(key, sizeof key, "%s/%u/%u", g->uuid, gi, g->mig_made++);
-    for (const char *c = key; *c; c++)
-        h = (h ^ (unsigned char)*c) * 1099511628211ULL;
-    sim_mig *m = &migs[n];
-    memset(m, 0, sizeof *m);
-    m->gi = gi;
-    m->ci = 0;
-    m->profile = p;
-    snprintf(m->uuid, sizeof m->uuid, "MIG-%08x-%04x-5%03x-8%03x-%012llx",
-             (unsigned int)(h >> 32), (unsigned int)(h >> 16) & 0xffffu,
-             (unsigned int)(h >> 4) & 0xfffu, (unsigned int)h & 0xfffu,
-             (h * 31ULL) & 0xffffffffffffULL);
-}
-
-/* Install `migs` as GPU `gpu`'s MIG devices (handles follow their new positions). */
-static void set_instances(sim_gpu *g, int gpu, const sim_mig *migs, int n)
-{
-    for (int i = 0; i < n; i++)
-        g->migs[i] = migs[i];
-    g->nmig = n;
-    sim_set_mig_handles(g, gpu);
-}
-
 /* `layout`: "<profile>:<count>,...". Instances of a profile already there are kept (their
- * UUIDs and IDs too), in their order; the rest are made. A layout that does not fit the GPU
- * (unknown profile, more devices or slices than it has) changes nothing. */
+ * UUIDs, IDs and, where they fit, placements too), in their order; the rest are made. A layout
+ * that does not fit the GPU (unknown profile, more devices than it has, or instances that do
+ * not fit its placements) changes nothing. */
 static void apply_layout(sim_gpu *g, int gpu, const char *layout)
 {
     sim_mig next[SIM_MAX_MIG];
@@ -281,57 +230,126 @@ static void apply_layout(sim_gpu *g, int gpu, const char *layout)
         }
         s = *end ? end + 1 : end;
     }
-    /* new instances get their IDs once the kept ones are known */
+    /* new instances get their IDs (the lowest GI ID free) once the kept ones are known */
     sim_mig built[SIM_MAX_MIG];
     int nb = 0;
+    unsigned int made = g->mig_made;
     for (int i = 0; i < n; i++)
         if (next[i].uuid[0])
             built[nb++] = next[i];
-    for (int i = 0; i < n; i++)
-        if (!next[i].uuid[0]) {
-            new_instance(g, built, nb, next[i].profile);
-            nb++;
+    for (int i = 0; i < n; i++) {
+        if (next[i].uuid[0])
+            continue;
+        unsigned int gi = 1;
+        for (int again = 1; again;) {
+            again = 0;
+            for (int k = 0; k < nb; k++)
+                if (built[k].gi == gi) {
+                    gi++;
+                    again = 1;
+                }
         }
-    if (used_slices(g, built, nb) > all_slices(g))
+        sim_mig *m = &built[nb++];
+        memset(m, 0, sizeof *m);
+        m->gi = gi;
+        m->profile = next[i].profile;
+        sim_mig_uuid(g, gi, m->uuid, sizeof m->uuid);
+    }
+    if (sim_mig_place_all(g, gpu, built, nb, 0) < 0) {
+        g->mig_made = made; /* nothing made: the UUID counter too */
         return;
+    }
     g->mig_mode = g->mig_pending = 1;
-    set_instances(g, gpu, built, nb);
 }
 
-static void apply_mig(sim_gpu *g, int gpu, int mig, char *const *keys, char *const *vals, int n)
+/* A record's optional `placement=S`: 0 with *start set (-1 when absent), -1 when malformed. */
+static int placement_field(char *const *keys, char *const *vals, int n, long *start)
+{
+    unsigned long long v;
+    const char *text = field(keys, vals, n, "placement");
+    *start = -1;
+    if (!text)
+        return 0;
+    if (sim_parse_u64(text, &v) < 0 || v >= SIM_MAX_MEM_SLICES)
+        return -1;
+    *start = (long)v;
+    return 0;
+}
+
+/* Apply a `mig` record to GPU g (mig: the MIG device it names, or -1). Returns what it made
+ * (a GPU instance slot for gi_create, a MIG device index for create and ci_create, 0 for the
+ * destroys and the rest), or -1 when it changed nothing. */
+static int apply_mig(sim_gpu *g, int gpu, int mig, char *const *keys, char *const *vals, int n)
 {
     const char *mode = field(keys, vals, n, "mode");
     const char *layout = field(keys, vals, n, "layout");
     const char *create = field(keys, vals, n, "create");
-    if (!g->mig_capable)
-        return;
-    if (mig >= 0 && field(keys, vals, n, "destroy")) {
-        sim_mig rest[SIM_MAX_MIG];
-        int nr = 0;
-        for (int i = 0; i < g->nmig; i++)
-            if (i != mig)
-                rest[nr++] = g->migs[i];
-        set_instances(g, gpu, rest, nr);
-    } else if (mig >= 0) {
-        return;
-    } else if (mode && strcmp(mode, "disabled") == 0) {
+    const char *gi_create = field(keys, vals, n, "gi_create");
+    const char *gi_destroy = field(keys, vals, n, "gi_destroy");
+    const char *ci_create = field(keys, vals, n, "ci_create");
+    const char *ci_destroy = field(keys, vals, n, "ci_destroy");
+    unsigned long long gi, ci;
+    long start;
+    if (!g->mig_capable || placement_field(keys, vals, n, &start) < 0)
+        return -1;
+    if (mig >= 0 && field(keys, vals, n, "destroy"))
+        return sim_mig_ci_destroy(g, gpu, g->migs[mig].gi, g->migs[mig].ci, 1);
+    if (mig >= 0)
+        return -1;
+    if (mode && strcmp(mode, "disabled") == 0) {
         g->mig_mode = g->mig_pending = 0;
-        set_instances(g, gpu, NULL, 0);
-    } else if (mode && strcmp(mode, "enabled") == 0) {
-        g->mig_mode = g->mig_pending = 1;
-    } else if (layout) {
-        apply_layout(g, gpu, layout);
-    } else if (create && g->mig_mode) {
-        int p = profile_by_name(g, create, strlen(create));
-        if (p < 0 || (unsigned int)g->nmig >= g->mig_max || g->nmig >= SIM_MAX_MIG ||
-            used_slices(g, g->migs, g->nmig) + g->profiles[p].slices > all_slices(g))
-            return;
-        sim_mig all[SIM_MAX_MIG];
-        memcpy(all, g->migs, sizeof(sim_mig) * (size_t)g->nmig);
-        new_instance(g, all, g->nmig, p);
-        set_instances(g, gpu, all, g->nmig + 1);
+        memset(g->gis, 0, sizeof g->gis);
+        g->nmig = 0;
+        sim_set_mig_handles(g, gpu);
+        return 0;
     }
+    if (mode && strcmp(mode, "enabled") == 0) {
+        g->mig_mode = g->mig_pending = 1;
+        return 0;
+    }
+    if (layout) {
+        apply_layout(g, gpu, layout);
+        return 0;
+    }
+    if (!g->mig_mode)
+        return -1;
+    if (create || gi_create) {
+        const char *name = create ? create : gi_create;
+        int p = profile_by_name(g, name, strlen(name));
+        if (p < 0)
+            return -1;
+        /* `create`: a GPU instance with one compute instance of all its slices (a MIG device) */
+        if (create && ((unsigned int)g->nmig >= g->mig_max || g->nmig >= SIM_MAX_MIG))
+            return -1;
+        int slot = sim_mig_gi_create(g, gpu, p, start);
+        if (slot < 0 || !create)
+            return slot;
+        return sim_mig_ci_create(g, gpu, g->gis[slot].id,
+                                 sim_ci_profile_of(g->profiles[p].slices), -1);
+    }
+    if (gi_destroy)
+        return sim_parse_u64(gi_destroy, &gi) < 0 ? -1
+                                                  : sim_mig_gi_destroy(g, gpu, (unsigned int)gi);
+    if (ci_create) {
+        unsigned long long profile;
+        if (sim_parse_u64(ci_create, &gi) < 0 ||
+            sim_parse_u64(field(keys, vals, n, "ci_profile"), &profile) < 0 ||
+            profile >= SIM_NUM_CI_PROFILES)
+            return -1;
+        return sim_mig_ci_create(g, gpu, (unsigned int)gi, (unsigned int)profile, start);
+    }
+    if (ci_destroy) {
+        if (sim_parse_u64(ci_destroy, &gi) < 0 || sim_parse_u64(field(keys, vals, n, "ci"), &ci) < 0)
+            return -1;
+        return sim_mig_ci_destroy(g, gpu, (unsigned int)gi, (unsigned int)ci, 0);
+    }
+    return -1;
 }
+
+/* The token of the record this process is committing (sim_control_commit), and what applying it
+ * made. */
+static char g_token[64];
+static int g_token_seen, g_token_result;
 
 #define MAX_FIELDS 32 /* KEY=VALUE fields a record may have; later ones are dropped */
 
@@ -412,7 +430,12 @@ static void apply_record(char *line, int replay)
         if (sim_parse_u64(field(keys, vals, n, "until_ns"), &until) == 0)
             g->hang_until_ns = until;
     } else if (strcmp(op, "mig") == 0) {
-        apply_mig(g, gpu, mig, keys, vals, n);
+        int made = apply_mig(g, gpu, mig, keys, vals, n);
+        const char *token = field(keys, vals, n, "token");
+        if (g_token[0] && token && strcmp(token, g_token) == 0) {
+            g_token_seen = 1;
+            g_token_result = made;
+        }
     } else if (strcmp(op, "telemetry") == 0 && mig < 0) {
         sim_telemetry_apply(g, keys, vals, n);
     }
@@ -455,6 +478,38 @@ static void ingest(int replay)
 }
 
 void sim_control_ingest(void) { ingest(0); }
+
+int sim_control_commit(const char *record)
+{
+    static unsigned int counter;
+    char line[512];
+    snprintf(g_token, sizeof g_token, "%ld-%u", (long)getpid(), ++counter);
+    int len = snprintf(line, sizeof line, "%s token=%s\n", record, g_token);
+    g_token_seen = 0;
+    g_token_result = -1;
+    if (len <= 0 || (size_t)len >= sizeof line) {
+        g_token[0] = '\0';
+        return -1;
+    }
+    if (!g_ctl_on) {
+        line[len - 1] = '\0';
+        apply_record(line, 0);
+    } else {
+        char path[PATH_MAX + 16];
+        snprintf(path, sizeof path, "%s/" LOG_NAME, g_dir);
+        int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0) {
+            g_token[0] = '\0';
+            return -1;
+        }
+        ssize_t w = write(fd, line, (size_t)len); /* one O_APPEND write: one whole record */
+        close(fd);
+        if (w == len)
+            ingest(0);
+    }
+    g_token[0] = '\0';
+    return g_token_seen ? g_token_result : -1;
+}
 
 int sim_control_start(char *err, size_t errlen)
 {

@@ -555,73 +555,37 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device
 
 /* ---- GPU and compute instances ---- */
 
-/* The compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* (6, 8 and the rev1 / NVL
- * variants are never offered: no shipped GPU has them). */
-static const unsigned int CI_PROFILE_SLICES[SIM_NUM_CI_PROFILES] = {1, 2, 3, 4, 7, 8, 6, 1, 7};
-
-/* The compute slices of MIG device m (its compute instance). */
-static unsigned int ci_slices_of(const sim_gpu *g, const sim_mig *m)
-{
-    unsigned int gs = g->profiles[m->profile].slices;
-    return m->ci_slices && m->ci_slices < gs ? m->ci_slices : gs;
-}
-
-/* The compute instance profile constant with `slices` compute slices. */
-static unsigned int ci_profile_of(unsigned int slices)
-{
-    for (unsigned int p = 0; p < 5; p++)
-        if (CI_PROFILE_SLICES[p] == slices)
-            return p;
-    return 0;
-}
-
-/* Where GPU instance m's memory slices start: after the slices of the GPU instances listed
- * before it (placements are not modelled beyond that). */
-static unsigned int gi_start(const sim_gpu *g, const sim_mig *m)
-{
-    unsigned int start = 0;
-    for (const sim_mig *k = g->migs; k < m; k++) {
-        int first = 1;
-        for (const sim_mig *j = g->migs; j < k; j++)
-            if (j->gi == k->gi)
-                first = 0;
-        if (first && k->gi != m->gi)
-            start += g->profiles[k->profile].slices;
-    }
-    return start;
-}
-
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
                                                      nvmlGpuInstance_t *gpuInstance)
 {
     ENTER(FULL_GPU, device, gpuInstance != NULL);
     if (!g->mig_capable || !g->mig_mode)
         DONE(NVML_ERROR_NOT_SUPPORTED);
-    for (int k = 0; k < g->nmig; k++)
-        if (g->migs[k].gi == id) {
-            *gpuInstance = &g->migs[k].gi_h;
-            DONE(NVML_SUCCESS);
-        }
-    DONE(NVML_ERROR_NOT_FOUND);
+    sim_gi *gi = sim_gi_by_id(g, id);
+    if (!gi)
+        DONE(NVML_ERROR_NOT_FOUND);
+    *gpuInstance = &gi->h;
+    DONE(NVML_SUCCESS);
 }
 
-/* Open a query on a GPU instance (GI) or compute instance (CI) handle: declare g and m (the
- * MIG device that answers for it). Past it the lock is held. */
+/* Open a query on a GPU instance (GI) or compute instance (CI) handle: declare g, gi (the GPU
+ * instance) and m (for a CI: the MIG device it is). Past it the lock is held. */
 #define ENTER_INSTANCE(kind, handle, out_ok) \
     sim_gpu *g; \
+    sim_gi *gi; \
     sim_mig *m; \
-    TRY_ENTER(sim_enter_instance((handle), SIM_MAGIC_##kind, (out_ok), &g, &m))
+    TRY_ENTER(sim_enter_instance((handle), SIM_MAGIC_##kind, (out_ok), &g, &gi, &m))
 
 SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance,
                                                nvmlGpuInstanceInfo_t *info)
 {
     ENTER_INSTANCE(GI, gpuInstance, info != NULL);
-    const sim_mig_profile *p = &g->profiles[m->profile];
+    const sim_mig_profile *p = &g->profiles[gi->profile];
     info->device = &g->h;
-    info->id = m->gi;
+    info->id = gi->id;
     info->profileId = p->id;
-    info->placement.start = gi_start(g, m);
-    info->placement.size = p->slices;
+    info->placement.start = gi->start;
+    info->placement.size = p->place_size;
     DONE(NVML_SUCCESS);
 }
 
@@ -631,8 +595,8 @@ SIM_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t 
 {
     ENTER_INSTANCE(GI, gpuInstance, computeInstance != NULL);
     for (int k = 0; k < g->nmig; k++)
-        if (g->migs[k].gi == m->gi && g->migs[k].ci == id) {
-            *computeInstance = &g->migs[k].ci_h;
+        if (g->migs[k].gi == gi->id && g->migs[k].ci == id && id < SIM_MAX_CI) {
+            *computeInstance = &gi->ci_h[id];
             DONE(NVML_SUCCESS);
         }
     DONE(NVML_ERROR_NOT_FOUND);
@@ -642,18 +606,12 @@ SIM_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t comp
                                                       nvmlComputeInstanceInfo_t *info)
 {
     ENTER_INSTANCE(CI, computeInstance, info != NULL);
-    const sim_mig *gi = m;
-    for (int k = 0; k < g->nmig; k++)
-        if (g->migs[k].gi == m->gi) {
-            gi = &g->migs[k];
-            break;
-        }
-    unsigned int cs = ci_slices_of(g, m);
+    unsigned int cs = sim_ci_slices(g, m);
     info->device = &g->h;
-    info->gpuInstance = (nvmlGpuInstance_t)&gi->gi_h;
+    info->gpuInstance = &gi->h;
     info->id = m->ci;
-    info->profileId = ci_profile_of(cs);
-    info->placement.start = 0;
+    info->profileId = sim_ci_profile_of(cs);
+    info->placement.start = m->ci_start;
     info->placement.size = cs;
     DONE(NVML_SUCCESS);
 }
@@ -673,12 +631,12 @@ static nvmlReturn_t ci_profile_info(nvmlGpuInstance_t gpuInstance, unsigned int 
                                     nvmlComputeInstanceProfileInfo_v3_t *v3)
 {
     ENTER_INSTANCE(GI, gpuInstance, v1 != NULL || v2 != NULL || v3 != NULL);
+    (void)m;
     if (profile >= SIM_NUM_CI_PROFILES || engine >= SIM_NUM_CI_ENGINE_PROFILES)
         DONE(NVML_ERROR_INVALID_ARGUMENT);
-    const sim_mig_profile *gp = &g->profiles[m->profile];
-    unsigned int slices = CI_PROFILE_SLICES[profile], gs = gp->slices;
-    if (profile > 4 || slices > gs || (slices == 3 && gs != 3 && gs != 7) ||
-        (slices == 4 && gs != 4 && gs != 7))
+    const sim_mig_profile *gp = &g->profiles[gi->profile];
+    unsigned int slices = sim_ci_profile_slices(profile, gp->slices), gs = gp->slices;
+    if (!slices)
         DONE(NVML_ERROR_NOT_SUPPORTED);
     if ((v2 && v2->version != SIM_CI_PROFILE_INFO_V2_VERSION) ||
         (v3 && v3->version != SIM_CI_PROFILE_INFO_V3_VERSION))

@@ -391,7 +391,7 @@ static int parse_mig(vctx *v, const ynode *mig, const char *path, sim_gpu *g)
             return -1;
         sim_mig *m = &g->migs[i];
         if (get_uint(v, in, q, "gi", U32MAX - 1, &m->gi) < 0
-            || get_uint(v, in, q, "ci", U32MAX - 1, &m->ci) < 0)
+            || get_uint(v, in, q, "ci", SIM_MAX_CI - 1, &m->ci) < 0)
             return -1;
         for (int j = 0; j < i; j++)
             if (g->migs[j].gi == m->gi && g->migs[j].ci == m->ci) {
@@ -928,7 +928,12 @@ int sim_profile_load(sim_node *node, char *err, size_t errlen)
         g->h.magic = SIM_MAGIC_DEVICE;
         g->h.gpu = i;
         g->h.mig = -1;
-        sim_set_mig_handles(g, i);
+        sim_mig_placements(g);
+        if (sim_mig_place_all(g, i, g->migs, g->nmig, 0) < 0) {
+            snprintf(err, errlen, "%s: gpus[%d].mig.instances: they do not fit the placements of "
+                     "their profiles (docs/simulator.md)", path, i);
+            return NVML_ERROR_UNKNOWN;
+        }
         g->lost = (node->fault_lost >> i) & 1;
         g->events_unsupported = (node->fault_events_unsupported >> i) & 1;
     }

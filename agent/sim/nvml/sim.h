@@ -13,6 +13,7 @@
  *   control.c  the control channel (record log + inotify), event sets, waits
  *   system.c   init/shutdown refcount, error strings, system queries
  *   device.c   device, PCI, topology, NVLink, MIG, ECC and event-type queries
+ *   mig.c      MIG placements; creating and destroying GPU and compute instances
  *   telemetry.c  telemetry (utilization, temperature, power, clocks, retired pages, remapped
  *              rows): per-product defaults, `telemetry` records, the getters and their delay
  */
@@ -208,6 +209,9 @@ typedef struct {
     unsigned int size;  /* slices occupied */
 } nvmlInstancePlacement_t;
 
+typedef nvmlInstancePlacement_t nvmlGpuInstancePlacement_t;     /* memory slices */
+typedef nvmlInstancePlacement_t nvmlComputeInstancePlacement_t; /* compute slices */
+
 typedef struct {
     nvmlDevice_t device; /* the parent GPU */
     unsigned int id;
@@ -269,6 +273,8 @@ typedef struct {
 #define SIM_MAX_CPUS 4096
 #define SIM_CPU_WORDS (SIM_MAX_CPUS / 64)
 #define SIM_NUM_GI_PROFILES 0x12 /* NVML_GPU_INSTANCE_PROFILE_COUNT */
+#define SIM_MAX_MEM_SLICES 8     /* memory slices of a MIG-capable GPU (8 on A100/H100) */
+#define SIM_MAX_CI 8             /* compute instances per GPU instance (ids 0-7) */
 
 #define SIM_LEN_NAME 96      /* device names, uuids, profile names (incl. NUL) */
 #define SIM_LEN_SERIAL 30
@@ -302,18 +308,33 @@ typedef struct {
     unsigned int slices, instance_count, multiprocessors;
     unsigned int copy_engines, decoders, encoders, jpegs, ofas, p2p;
     unsigned long long memory_mb;
+    /* placements (memory slices): a GPU instance of this profile starts at one of place[] and
+     * covers place_size slices (sim_mig_placements derives them at profile load) */
+    unsigned int place_size, nplace;
+    unsigned int place[SIM_MAX_MEM_SLICES];
 } sim_mig_profile;
 
+/* A MIG device: a compute instance (ci) of GPU instance gi. */
 typedef struct {
     struct sim_handle h;
-    /* its GPU instance (the first MIG device of a GPU instance answers for it) and compute
-     * instance, as handles */
-    struct sim_handle gi_h, ci_h;
     unsigned int gi, ci;
-    int profile; /* index into sim_gpu.profiles */
+    int profile; /* index into sim_gpu.profiles: its GPU instance's */
     unsigned int ci_slices; /* the compute instance's slices; 0: the whole GPU instance */
+    unsigned int ci_start;  /* its placement: first compute slice within the GPU instance */
     char uuid[SIM_LEN_NAME];
 } sim_mig;
+
+/* A GPU instance, in a slot of sim_gpu.gis that stays its own while it lives (so its handle
+ * and its compute instances' handles stay valid across other changes). It may have no compute
+ * instance (then it is no MIG device). */
+typedef struct {
+    struct sim_handle h;                /* magic SIM_MAGIC_GI while it lives */
+    struct sim_handle ci_h[SIM_MAX_CI]; /* its compute instances' handles, by compute instance id */
+    int live;
+    unsigned int id;
+    int profile;        /* index into sim_gpu.profiles */
+    unsigned int start; /* placement: its first memory slice (size: the profile's place_size) */
+} sim_gi;
 
 enum { SIM_LINK_NONE = 0, SIM_LINK_GPU = 1, SIM_LINK_SWITCH = 2 };
 
@@ -360,8 +381,10 @@ typedef struct {
     unsigned int mig_max;
     int nprofiles;
     sim_mig_profile profiles[SIM_MAX_MIG_PROFILES];
+    unsigned int mem_slices, compute_slices; /* what placements divide (8 and 7 on A100) */
     int nmig;
-    sim_mig migs[SIM_MAX_MIG];
+    sim_mig migs[SIM_MAX_MIG]; /* MIG devices (compute instances), in handle-index order */
+    sim_gi gis[SIM_MAX_MIG];   /* GPU instances, in slots (live ones) */
     unsigned int mig_made; /* instances made by `mig` control records (their UUIDs' seed) */
     int topo[SIM_MAX_GPUS]; /* common-ancestor level to each GPU */
     /* run-time state */
@@ -439,6 +462,12 @@ extern sim_node g_node;
 int sim_control_start(char *err, size_t errlen);
 /* Called with the lock held at the 1->0 shutdown. */
 void sim_control_stop(void);
+/* Append `record` (one `mig` record, no newline) to the control log with a token of this
+ * process, then read the log up to it: returns what applying it made (a GPU instance slot, a MIG
+ * device index, or 0 for a destroy), or -1 when it changed nothing (another process's record
+ * came first and took the room). Without a control channel it is applied in this process only.
+ * Lock held. */
+int sim_control_commit(const char *record);
 /* Read control records appended since the last call (lock held). */
 void sim_control_ingest(void);
 /* A record's unsigned value: decimal, 0x hex or 0 octal; -1 when it is not one. */
@@ -469,13 +498,59 @@ unsigned long long sim_now_ns(void);
 void sim_sleep_until_ns(unsigned long long until_ns);
 /* Validate another handle while the lock is held (for calls taking two devices). */
 nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig);
-/* Number GPU `gpu`'s MIG devices' handles (device, GPU instance, compute instance) after its
- * instances changed; the handles of positions past g->nmig become invalid. */
+/* Number GPU `gpu`'s MIG device handles after its instances changed (the handles of positions
+ * past g->nmig become invalid), and its GPU and compute instance handles (live ones only). */
 void sim_set_mig_handles(sim_gpu *g, int gpu);
-/* sim_enter_device for any handle: `magic` says its kind, SIM_MAGIC_DEVICE (a device),
- * SIM_MAGIC_GI or SIM_MAGIC_CI (*mig: the MIG device whose GPU or compute instance it is). */
+/* sim_enter_device for any handle: `magic` says its kind, SIM_MAGIC_DEVICE (a device; *gi
+ * NULL), SIM_MAGIC_GI (*gi: the GPU instance; *mig NULL) or SIM_MAGIC_CI (*gi: its GPU
+ * instance, *mig: the MIG device that is the compute instance). gi may be NULL. */
 nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
-                                sim_mig **mig);
+                                sim_gi **gi, sim_mig **mig);
+
+/* ---- MIG instances and placements (mig.c) ---- */
+
+/* Derive GPU g's placements (each profile's place[] and place_size, g->mem_slices) from its
+ * profiles. */
+void sim_mig_placements(sim_gpu *g);
+/* The GPU instance with id `id` (NULL: none). */
+sim_gi *sim_gi_by_id(sim_gpu *g, unsigned int id);
+/* Install migs[0..n) as GPU `gpu`'s MIG devices and rebuild its GPU instances from them (each
+ * MIG device names its gi; the first one of a GPU instance gives its profile); with keep_empty
+ * the GPU instances without a MIG device stay too. A GPU instance that was there keeps its slot
+ * and, where it can, its placement; every GPU and compute instance gets a placement: the first
+ * fit, trying the lowest starts for the instances in order. Returns 0, or -1 when they do not
+ * fit (then nothing changes). */
+int sim_mig_place_all(sim_gpu *g, int gpu, sim_mig *migs, int n, int keep_empty);
+/* A new MIG device's UUID, derived from the GPU's UUID, the GI id and a per-GPU counter (the
+ * same in every process that replays the log). */
+void sim_mig_uuid(sim_gpu *g, unsigned int gi, char *out, size_t len);
+/* Whether a GPU instance of profile index p fits at `start` (-1: anywhere): NVML_SUCCESS,
+ * INVALID_ARGUMENT (not one of its placements) or INSUFFICIENT_RESOURCES. */
+int sim_mig_gi_check(const sim_gpu *g, int p, long start);
+/* Make a GPU instance of profile index p at `start` (-1: the lowest free one), no compute
+ * instance: its slot, or -1 when it does not fit. */
+int sim_mig_gi_create(sim_gpu *g, int gpu, int p, long start);
+/* Destroy GPU instance `id`: 0, or -1 (none, or it has compute instances). */
+int sim_mig_gi_destroy(sim_gpu *g, int gpu, unsigned int id);
+/* Whether a compute instance of NVML compute instance profile `profile` fits GPU instance t at
+ * `start` (-1: anywhere): NVML_SUCCESS, NOT_SUPPORTED (profile not offered), INVALID_ARGUMENT
+ * (not one of its placements) or INSUFFICIENT_RESOURCES. */
+int sim_mig_ci_check(const sim_gpu *g, const sim_gi *t, unsigned int profile, long start);
+/* Make that compute instance (a MIG device, appended): its MIG device index, or -1. */
+int sim_mig_ci_create(sim_gpu *g, int gpu, unsigned int gi, unsigned int profile, long start);
+/* Destroy compute instance ci of GPU instance gi (and the GPU instance when with_gi and it has
+ * no other): 0, or -1 when there is none. */
+int sim_mig_ci_destroy(sim_gpu *g, int gpu, unsigned int gi, unsigned int ci, int with_gi);
+/* The compute slices of compute instance profile `profile` in a GPU instance of `gs` slices; 0
+ * when it does not offer it. */
+unsigned int sim_ci_profile_slices(unsigned int profile, unsigned int gs);
+/* The compute instance profile constant with `slices` compute slices. */
+unsigned int sim_ci_profile_of(unsigned int slices);
+/* The compute slices of MIG device m (its compute instance). */
+unsigned int sim_ci_slices(const sim_gpu *g, const sim_mig *m);
+/* The placement starts of a compute instance of `size` slices in a GPU instance of `gi_slices`
+ * slices, into starts[] (at most SIM_MAX_CI); returns how many. */
+unsigned int sim_ci_placements(unsigned int size, unsigned int gi_slices, unsigned int *starts);
 SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result);
 void sim_leave(void);
 nvmlReturn_t sim_copy_string(char *dst, unsigned int len, const char *src);

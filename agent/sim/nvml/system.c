@@ -40,20 +40,24 @@ void sim_set_mig_handles(sim_gpu *g, int gpu)
 {
     for (int m = 0; m < SIM_MAX_MIG; m++) {
         sim_mig *mig = &g->migs[m];
-        int live = m < g->nmig;
-        struct sim_handle id = {0, gpu, m};
-        mig->h = mig->gi_h = mig->ci_h = id;
-        mig->h.magic = live ? SIM_MAGIC_DEVICE : 0;
-        mig->gi_h.magic = live ? SIM_MAGIC_GI : 0;
-        mig->ci_h.magic = live ? SIM_MAGIC_CI : 0;
+        mig->h = (struct sim_handle){m < g->nmig ? SIM_MAGIC_DEVICE : 0, gpu, m};
+        sim_gi *gi = &g->gis[m];
+        gi->h = (struct sim_handle){gi->live ? SIM_MAGIC_GI : 0, gpu, m};
+        for (int c = 0; c < SIM_MAX_CI; c++)
+            gi->ci_h[c] = (struct sim_handle){0, gpu, m * SIM_MAX_CI + c};
+    }
+    for (int m = 0; m < g->nmig; m++) {
+        sim_gi *gi = sim_gi_by_id(g, g->migs[m].gi);
+        if (gi && g->migs[m].ci < SIM_MAX_CI)
+            gi->ci_h[g->migs[m].ci].magic = SIM_MAGIC_CI;
     }
 }
 
 /* Find what handle `h` of kind `magic` points at, without dereferencing foreign pointers: a
- * GPU or MIG device (SIM_MAGIC_DEVICE; *mig NULL for a full GPU), or the MIG device whose GPU
- * instance (SIM_MAGIC_GI) or compute instance (SIM_MAGIC_CI) it is. */
+ * GPU or MIG device (SIM_MAGIC_DEVICE; *mig NULL for a full GPU), a GPU instance (SIM_MAGIC_GI:
+ * *gi) or a compute instance (SIM_MAGIC_CI: *gi its GPU instance, *mig the MIG device). */
 static nvmlReturn_t lookup_handle(const struct sim_handle *h, uint32_t magic, sim_gpu **gpu,
-                                  sim_mig **mig)
+                                  sim_gi **gi, sim_mig **mig)
 {
     uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_node.gpus;
     if (!h || p < base || p >= base + sizeof g_node.gpus)
@@ -64,15 +68,33 @@ static nvmlReturn_t lookup_handle(const struct sim_handle *h, uint32_t magic, si
         return NVML_ERROR_INVALID_ARGUMENT;
     *gpu = g;
     *mig = NULL;
-    if (magic == SIM_MAGIC_DEVICE && h == &g->h)
-        return g->h.magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
-    for (int m = 0; m < g->nmig; m++) {
-        sim_mig *c = &g->migs[m];
-        const struct sim_handle *own = magic == SIM_MAGIC_DEVICE ? &c->h
-                                       : magic == SIM_MAGIC_GI ? &c->gi_h : &c->ci_h;
-        if (h == own) {
-            *mig = c;
-            return own->magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    *gi = NULL;
+    if (magic == SIM_MAGIC_DEVICE) {
+        if (h == &g->h)
+            return g->h.magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+        for (int m = 0; m < g->nmig; m++)
+            if (h == &g->migs[m].h) {
+                *mig = &g->migs[m];
+                return h->magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+            }
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    for (int s = 0; s < SIM_MAX_MIG; s++) {
+        sim_gi *c = &g->gis[s];
+        if (magic == SIM_MAGIC_GI && h == &c->h) {
+            *gi = c;
+            return c->live && h->magic == magic ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+        }
+        for (unsigned int k = 0; magic == SIM_MAGIC_CI && k < SIM_MAX_CI; k++) {
+            if (h != &c->ci_h[k])
+                continue;
+            *gi = c;
+            for (int m = 0; c->live && h->magic == magic && m < g->nmig; m++)
+                if (g->migs[m].gi == c->id && g->migs[m].ci == k) {
+                    *mig = &g->migs[m];
+                    return NVML_SUCCESS;
+                }
+            return NVML_ERROR_INVALID_ARGUMENT;
         }
     }
     return NVML_ERROR_INVALID_ARGUMENT;
@@ -80,20 +102,24 @@ static nvmlReturn_t lookup_handle(const struct sim_handle *h, uint32_t magic, si
 
 nvmlReturn_t sim_lookup_device(nvmlDevice_t device, sim_gpu **gpu, sim_mig **mig)
 {
-    nvmlReturn_t rc = lookup_handle(device, SIM_MAGIC_DEVICE, gpu, mig);
+    sim_gi *gi;
+    nvmlReturn_t rc = lookup_handle(device, SIM_MAGIC_DEVICE, gpu, &gi, mig);
     if (rc == NVML_SUCCESS && (*gpu)->lost)
         return NVML_ERROR_GPU_IS_LOST;
     return rc;
 }
 
 nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok, sim_gpu **gpu,
-                                sim_mig **mig)
+                                sim_gi **gi, sim_mig **mig)
 {
+    sim_gi *gi_buf;
+    if (!gi)
+        gi = &gi_buf;
     for (;;) {
         nvmlReturn_t rc = sim_enter(1);
         if (rc)
             return rc;
-        rc = lookup_handle(h, magic, gpu, mig);
+        rc = lookup_handle(h, magic, gpu, gi, mig);
         if (rc == NVML_SUCCESS && (*gpu)->lost)
             rc = NVML_ERROR_GPU_IS_LOST;
         if (rc == NVML_SUCCESS && !out_ok)
@@ -109,7 +135,7 @@ nvmlReturn_t sim_enter_instance(struct sim_handle *h, uint32_t magic, int out_ok
 
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, int out_ok, sim_gpu **gpu, sim_mig **mig)
 {
-    return sim_enter_instance(device, SIM_MAGIC_DEVICE, out_ok, gpu, mig);
+    return sim_enter_instance(device, SIM_MAGIC_DEVICE, out_ok, gpu, NULL, mig);
 }
 
 unsigned long long sim_now_ns(void)
