@@ -64,6 +64,7 @@ class Daemon:
         self.resources = Resources()
         self.health: HealthMonitor | None = None
         self.mps = MpsDaemons(on_change=lambda: self.health and self.health.outages_changed())
+        self._dra_plan: dict = {}  # the MPS daemons DRA mode's claims need (_dra_mps)
         self.registrar: Registrar | None = None
         self.dra: Any = None  # agent.mode dra: the DRA driver (agent.dramode.DraMode)
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
@@ -141,12 +142,24 @@ class Daemon:
             return
         self._advertise(gpus, restart_health=True)
 
+    def _apply_mps(self) -> None:
+        """The MPS daemons: sharing.mps's and (dra mode) those the prepared claims need."""
+        self.mps.apply({**self.resources.mps, **self._dra_plan}, self.cfg.mps_control_program,
+                       self.cfg.mps_root_dir, self.environ)
+
+    def _dra_mps(self, plan: dict) -> dict[str, str]:
+        """From DRA mode's claims (a prepare, an unprepare, the start): the daemons they need
+        now (UUID -> agent.rm.sharing.MpsGpu) run; returns those down, UUID -> why."""
+        self._dra_plan = dict(plan)
+        self._apply_mps()
+        return {d["gpuUuid"]: d["reason"] or "not running" for d in self.mps.status()["daemons"]
+                if d["gpuUuid"] in plan and not d["running"]}
+
     def _advertise(self, gpus: list, restart_health: bool) -> None:
         """Build (or update) the resources from `gpus` and the config, then serve them."""
         before = [d.id for d in self.resources.devices]
         self.resources.apply(gpus, self.cfg)  # then sharing.mps's daemons, before serving
-        self.mps.apply(self.resources.mps, self.cfg.mps_control_program, self.cfg.mps_root_dir,
-                       self.environ)
+        self._apply_mps()
         if self.state is not None:
             self.state.poke()  # the GPUs are known now: match records to them
         if restart_health or [d.id for d in self.resources.devices] != before:
@@ -155,7 +168,7 @@ class Daemon:
             if self.dra is None:
                 from agent.dramode import DraMode  # the DRA driver's parts load in this mode
 
-                self.dra = DraMode(self.cfg, on_change=self._wake)
+                self.dra = DraMode(self.cfg, on_change=self._wake, mps=self._dra_mps)
             self.dra.apply(self.resources.gpus, self.cfg)
             if not self.ready_sent:
                 self._send_ready()

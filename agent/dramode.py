@@ -23,10 +23,10 @@ from collections.abc import Collection, Mapping
 from typing import Any, Callable
 
 from agent.dra import slices
-from agent.dra.claims import Claims, NodeDevice
+from agent.dra.claims import Claims, NodeDevice, Sharer
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
-from agent.errors import AgentError
+from agent.errors import AgentError, ClaimError
 from agent.nvml import driver, identity, mig
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ RETRY_S = 10.0
 class DraMode:
     """The DRA driver of the daemon's Config `cfg`."""
 
-    def __init__(self, cfg: Any, on_change: Callable[[], None] = lambda: None):
+    def __init__(self, cfg: Any, on_change: Callable[[], None] = lambda: None,
+                 mps: Callable[[dict], dict[str, str]] | None = None):
         from agent.kubeapi.client import connect
         from agent.kubeapi.faults import node_name
 
@@ -56,7 +57,7 @@ class DraMode:
         self.node_devices: dict[str, NodeDevice] = {}
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
-                             cfg.driver_root)
+                             cfg.driver_root, sharer=_Sharer(cfg, mps))
         self.on_change = on_change
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
                                 on_change=self._plugin_changed)
@@ -70,12 +71,14 @@ class DraMode:
     def apply(self, gpus: list, cfg: Any) -> None:
         """Read the devices of `gpus` and publish them (here: the daemon's start waits for
         the first publication); start the kubelet plugin (once)."""
-        untainted, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root)
+        untainted, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root,
+                                        _shareable(gpus, cfg.dra_shared_gpus))
         with self._lock:
             self._untainted, self.node_devices = untainted, node_devices
             self.reboot_effect = cfg.dra_reboot_taint  # a reload may change it
             self._taint()
         if self._thread is None:
+            self.claims.sync_mps()  # the daemons of claims prepared before a restart
             self.plugin.start()
             self._thread = threading.Thread(target=self._run, name="dra-slices", daemon=True)
             self._thread.start()
@@ -181,14 +184,58 @@ class DraMode:
         self.client.close()
 
 
-def _read(gpus: list, dev_root: str) -> tuple[list[dict], dict[str, NodeDevice]]:
+class _Sharer(Sharer):
+    """Applying a claim's shares on this node: nvidia-smi under the driver root sets a time
+    slice (as NVIDIA's driver: nvlib.go setComputeMode, setTimeSlice); `mps` is the daemon's
+    (its MPS daemons, agent.mps.daemons, run those of device-plugin mode's sharing.mps and
+    those of the claims)."""
+
+    def __init__(self, cfg: Any, mps: Callable[[dict], dict[str, str]] | None):
+        self.mps_root = cfg.mps_root_dir
+        self.nvidia_smi = os.path.join(cfg.driver_root, "usr/bin/nvidia-smi")
+        self._mps = mps
+
+    def timeslice(self, uuid: str, interval: int) -> None:
+        import subprocess
+
+        for args in (["-i", uuid, "-c", "DEFAULT"],
+                     ["compute-policy", "-i", uuid, "--set-timeslice", str(interval)]):
+            try:
+                out = subprocess.run([self.nvidia_smi, *args], capture_output=True, text=True,
+                                     timeout=30, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise ClaimError(f"cannot set the time slice of {uuid}: {exc}") from None
+            if out.returncode != 0:
+                raise ClaimError(f"cannot set the time slice of {uuid}: nvidia-smi "
+                                 f"{' '.join(args)}: exit status {out.returncode}: "
+                                 f"{(out.stderr or out.stdout).strip()[-300:]}")
+        log.info("GPU %s: compute mode DEFAULT, time slice %d (nvidia-smi)", uuid, interval)
+
+    def mps(self, plan: dict) -> dict[str, str]:
+        if self._mps is None:
+            return super().mps(plan)
+        return self._mps(plan)
+
+
+def _shareable(gpus: list, named: Collection[str]) -> set[str]:
+    """The UUIDs of the GPUs agent.draSharedGpus names (index, UUID or all); a name that is
+    no GPU of this node is logged."""
+    out = {g.uuid for g in gpus if "all" in named or g.uuid in named or str(g.index) in named}
+    known = {"all"} | {g.uuid for g in gpus} | {str(g.index) for g in gpus}
+    for name in sorted(set(named) - known):
+        log.warning("agent.draSharedGpus: %s is no GPU of this node", name)
+    return out
+
+
+def _read(gpus: list, dev_root: str, shareable: Collection[str] = ()
+          ) -> tuple[list[dict], dict[str, NodeDevice]]:
     """(the devices to publish, what the claims see of them) of `gpus` (NvmlError when NVML
-    cannot say)."""
+    cannot say); `shareable`: the UUIDs of the GPUs shared by consumable capacity."""
     info = driver.driver_info()
     shared = {g.uuid: slices.gpu_attributes(g, identity.gpu_identity(g), info,
                                             slices.pcie_root(g.short_bus_id)) for g in gpus}
     migs = [(m, identity.mig_placement(m)) for m in mig.read_mig_devices(gpus)]
-    devices = slices.node_devices(gpus, migs, shared)
+    devices = slices.node_devices(gpus, migs, shared, shareable)
 
     def nodes(*paths: str) -> tuple[tuple[str, str], ...]:
         return tuple((p, os.path.join(dev_root, p.lstrip("/"))) for p in paths)
@@ -197,8 +244,9 @@ def _read(gpus: list, dev_root: str) -> tuple[list[dict], dict[str, NodeDevice]]
     for g in gpus:
         if not g.mig_enabled:
             seen[slices.gpu_device(g, {})["name"]] = NodeDevice(
-                g.uuid, nodes(f"/dev/nvidia{g.minor}"))
+                g.uuid, nodes(f"/dev/nvidia{g.minor}"), "gpu", g.memory_total, g.index)
     for m, p in migs:
         seen[slices.mig_device(m, p, {})["name"]] = NodeDevice(
-            m.uuid, nodes(f"/dev/nvidia{m.parent.minor}", *m.caps))
+            m.uuid, nodes(f"/dev/nvidia{m.parent.minor}", *m.caps), "mig", p.memory_mb << 20,
+            m.parent.index)
     return devices, seen

@@ -167,6 +167,10 @@ class KubeApiError(AgentError):
         self.code = code
 
 
+class ClaimError(AgentError):
+    """A DRA claim that cannot be prepared as asked (kubelet shows it in the pod's events)."""
+
+
 class IsolationError(AgentError):
     """The isolation file is malformed (the previous set stays in force)."""
 

@@ -122,6 +122,7 @@ PRECEDENCE = {
     "mode": ("dra", "device-plugin", "dra", ("dra", "device-plugin", "dra")),
     "dra_reboot_taint": ("NoSchedule", "NoExecute", "NoSchedule",
                          ("NoSchedule", "NoExecute", "NoSchedule")),
+    "dra_shared_gpus": (["0", "GPU-1"], "all", "2,3", (("0", "GPU-1"), ("all",), ("2", "3"))),
     "kubelet_dir": ("/srv/kubelet", "/env/kubelet", "/flag/kubelet",
                     ("/srv/kubelet", "/env/kubelet", "/flag/kubelet")),
     "mig_strategy": ("single", "mixed", "single", ("single", "mixed", "single")),

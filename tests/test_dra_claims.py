@@ -18,8 +18,13 @@ from agent.kubeapi.client import connect
 from tests.kube_api import KubeApi
 
 NODE = "n1"
-DEVICES = {"gpu-0": NodeDevice("GPU-aaa", (("/dev/nvidia0", "/drv/dev/nvidia0"),)),
-           "gpu-1": NodeDevice("GPU-bbb", (("/dev/nvidia1", "/drv/dev/nvidia1"),))}
+GIB = 1 << 30
+DEVICES = {"gpu-0": NodeDevice("GPU-aaa", (("/dev/nvidia0", "/drv/dev/nvidia0"),), "gpu",
+                               80 * GIB, 0),
+           "gpu-1": NodeDevice("GPU-bbb", (("/dev/nvidia1", "/drv/dev/nvidia1"),), "gpu",
+                               80 * GIB, 1),
+           "gpu-2-mig-1g10gb-19-0": NodeDevice("MIG-ccc", (("/dev/nvidia2", "/drv/dev/nvidia2"),),
+                                               "mig", 10 * GIB, 2)}
 
 
 def _claim(api: KubeApi, name: str, uid: str, results, config=()):
@@ -30,8 +35,17 @@ def _claim(api: KubeApi, name: str, uid: str, results, config=()):
     return ClaimRef("ml", uid, name)
 
 
-def _result(device: str, request: str = "gpu", pool: str = NODE) -> dict:
-    return {"request": request, "driver": "gpu.nvidia.com", "pool": pool, "device": device}
+def _result(device: str, request: str = "gpu", pool: str = NODE, **extra) -> dict:
+    return {"request": request, "driver": "gpu.nvidia.com", "pool": pool, "device": device,
+            **extra}
+
+
+def _config(params: dict, kind: str = "GpuConfig", api: str = "resource.nvidia.com/v1beta1",
+            requests=(), source: str = "FromClaim") -> dict:
+    """An opaque config as the API server copies it into the allocation (NVIDIA's shape:
+    api/nvidia.com/resource/v1beta1 gpuconfig.go, sharing.go)."""
+    return {"source": source, "requests": list(requests), "opaque": {
+        "driver": "gpu.nvidia.com", "parameters": {"apiVersion": api, "kind": kind, **params}}}
 
 
 @pytest.fixture
@@ -41,8 +55,8 @@ def env(tmp_path):
     state, cdi = str(tmp_path / "state"), str(tmp_path / "cdi")
     os.makedirs(state)
 
-    def claims():
-        return Claims(client, NODE, lambda: DEVICES, state, cdi)
+    def claims(sharer=None):
+        return Claims(client, NODE, lambda: DEVICES, state, cdi, sharer=sharer)
 
     yield api, claims, cdi, state
     client.close()
@@ -82,10 +96,35 @@ def test_a_repeated_prepare_after_a_restart_answers_the_same_without_the_api(env
 @pytest.mark.parametrize("results, config, why", [
     ([_result("gpu-7")], (), "asks for device gpu-7 of pool n1, which node n1 does not have"),
     ([_result("gpu-0", pool="n2")], (), "asks for device gpu-0 of pool n2"),
-    ([_result("gpu-0")], [{"opaque": {"driver": "gpu.nvidia.com", "parameters": {
-        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}}}],
-     "opaque config resource.nvidia.com/v1beta1 GpuConfig for gpu.nvidia.com is not "
-     "supported"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS"}}, kind="VfioDeviceConfig")],
+     "config[0] (from FromClaim) parameters.kind: 'VfioDeviceConfig': gpu-agent takes "
+     "GpuConfig and MigDeviceConfig"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS"}}, api="v1")],
+     "parameters.apiVersion: 'v1': gpu-agent reads resource.nvidia.com/v1beta1"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "Spatial"}})],
+     "parameters.sharing.strategy: unknown GPU sharing strategy 'Spatial'"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS", "replicas": 2}})],
+     "parameters.sharing.replicas: unknown field"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {
+        "interval": "Forever"}}})],
+     "parameters.sharing.timeSlicingConfig.interval: unknown time-slice interval 'Forever'"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "TimeSlicing", "mpsConfig": {}}})],
+     "parameters.sharing.mpsConfig: cannot use MpsConfig with the 'TimeSlicing' strategy"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS", "mpsConfig": {
+        "defaultActiveThreadPercentage": 101}}})],
+     "mpsConfig.defaultActiveThreadPercentage: 101: an active thread percentage is an integer "
+     "from 0 to 100"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS", "mpsConfig": {
+        "defaultPinnedDeviceMemoryLimit": "512Ki"}}})],
+     "mpsConfig.defaultPinnedDeviceMemoryLimit: invalid limit: value set too low"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS", "mpsConfig": {
+        "defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}}}})],
+     "defaultPerDevicePinnedMemoryLimit: invalid device '3'"),
+    ([_result("gpu-0")], [_config({"sharing": {"strategy": "MPS"}}, kind="MigDeviceConfig",
+                                  requests=["gpu"])],
+     "cannot apply MigDeviceConfig to device gpu-0 of type 'gpu' (request: gpu)"),
+    ([_result("gpu-0"), _result("gpu-1", "second")], [_config({"sharing": {"strategy": "MPS"}})],
+     "MPS on 2 devices of one claim"),
     ([{**_result("gpu-0"), "driver": "other.example.com"}], (),
      "has no device of gpu.nvidia.com allocated"),
 ])
@@ -137,6 +176,114 @@ def test_a_record_of_0575db6_without_pods_loads_and_unprepares(env):
         f.write(msgpack.packb(record, use_bin_type=True))
     old = claims()
     assert old.listing() == [{"namespace": "ml", "name": "train", "uid": "u-1",
-                              "devices": ["gpu-0"], "pods": []}]
+                              "devices": ["gpu-0"], "pods": [], "sharing": ["exclusive"]}]
     old.unprepare(ref)
     assert os.listdir(cdi) == [] and claims().prepared == {}
+
+
+class Sharer:
+    """What prepare asks of agent.dramode, recorded: time slices set, MPS plans applied."""
+
+    mps_root = "/run/nvidia/mps"
+
+    def __init__(self, down: dict | None = None):
+        self.timeslices: list[tuple[str, int]] = []
+        self.plans: list[dict] = []
+        self.down = down or {}
+
+    def timeslice(self, uuid, interval):
+        self.timeslices.append((uuid, interval))
+
+    def mps(self, plan):
+        self.plans.append(plan)
+        return {u: why for u, why in self.down.items() if u in plan}
+
+
+def _spec(cdi: str, uid: str) -> dict:
+    return json.loads(open(os.path.join(cdi, f"k8s.gpu.nvidia.com-claim_{uid}.json")).read())
+
+
+def test_time_slicing_sets_the_gpus_time_slice_as_nvidias_driver_does(env):
+    """NVIDIA's TimeSlicingManager.SetTimeSlice (cmd/gpu-kubelet-plugin/sharing.go:136-150)
+    with TimeSliceInterval.Int (sharing.go): Default 0 ... Long 3; a config naming no
+    interval is Default (gpuconfig.go Normalize); on a MIG device nothing is set."""
+    api, claims, cdi, _ = env
+    sharer = Sharer()
+    c = claims(sharer)
+    c.prepare(_claim(api, "ts", "u-1", [_result("gpu-1")], [
+        _config({"sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {
+            "interval": "Long"}}})]))
+    c.prepare(_claim(api, "ts-default", "u-2", [_result("gpu-0")], [
+        _config({"sharing": {"strategy": "TimeSlicing"}})]))
+    c.prepare(_claim(api, "mig", "u-3", [_result("gpu-2-mig-1g10gb-19-0")], [
+        _config({"sharing": {"strategy": "TimeSlicing"}}, kind="MigDeviceConfig")]))
+    assert sharer.timeslices == [("GPU-bbb", 3), ("GPU-aaa", 0)]
+    assert sharer.plans == []
+    assert [x["sharing"] for x in c.listing()] == [["TimeSlicing"], ["TimeSlicing"],
+                                                   ["TimeSlicing"]]
+
+
+def test_mps_runs_the_gpus_daemon_and_gives_the_container_its_pipe_shm_and_limits(env):
+    api, claims, cdi, state = env
+    sharer = Sharer()
+    c = claims(sharer)
+    c.prepare(_claim(api, "mps", "u-1", [_result("gpu-1")], [_config({"sharing": {
+        "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 40,
+                                         "defaultPinnedDeviceMemoryLimit": "10Gi",
+                                         "defaultPerDevicePinnedMemoryLimit": {"0": "12Gi"}}}})]))
+    [plan] = sharer.plans
+    gpu = plan["GPU-bbb"]
+    assert (gpu.index, gpu.thread_percentage, gpu.memory_limit_mib) == (1, 40, 12 * 1024)
+    edits = _spec(cdi, "u-1")["devices"][0]["containerEdits"]
+    assert edits["env"] == ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
+                            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=12288M"]
+    assert [(m["hostPath"], m["containerPath"]) for m in edits["mounts"]] == [
+        ("/run/nvidia/mps/GPU-bbb/pipe", "/tmp/nvidia-mps"), ("/run/nvidia/mps/shm", "/dev/shm")]
+    again = claims(sharer)  # a restarted agent: the daemons it needs come from the record
+    assert again.mps_plan() == plan
+    again.unprepare(ClaimRef("ml", "u-1", "mps"))
+    assert sharer.plans[-1] == {}  # the daemon no claim needs goes
+
+
+def test_a_claim_is_not_prepared_while_its_mps_daemon_is_down(env):
+    api, claims, cdi, state = env
+    c = claims(Sharer(down={"GPU-aaa": "nvidia-cuda-mps-control -d: exit status 1"}))
+    with pytest.raises(ClaimError) as refused:
+        c.prepare(_claim(api, "mps", "u-1", [_result("gpu-0")],
+                         [_config({"sharing": {"strategy": "MPS"}})]))
+    assert "the MPS control daemon of gpu-0 is not running: nvidia-cuda-mps-control" in str(
+        refused.value)
+    assert c.prepared == {} and not os.listdir(cdi) if os.path.exists(cdi) else True
+
+
+def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consumed(env):
+    """KEP-5075: the scheduler writes each allocation of a device allowing several its
+    shareID and consumedCapacity (every capacity of the device); gpu-agent turns it into an
+    MPS share: its memory, and its cores or else the same fraction of the SMs. A share with
+    all the memory is the GPU whole, not shared."""
+    api, claims, cdi, _ = env
+    sharer = Sharer()
+    c = claims(sharer)
+    shares = [("a", "u-1", "0b5e3c7a-1111-4a4a-9a9a-000000000001", {"memory": "20Gi",
+                                                                      "cores": "0"}),
+              ("b", "u-2", "0b5e3c7a-2222-4a4a-9a9a-000000000002", {"memory": "20Gi",
+                                                                      "cores": "50"}),
+              ("c", "u-3", "0b5e3c7a-3333-4a4a-9a9a-000000000003", {"memory": "80Gi",
+                                                                      "cores": "0"})]
+    answers = {}
+    for name, uid, share, consumed in shares:
+        answers[uid] = c.prepare(_claim(api, name, uid, [_result(
+            "gpu-0", shareID=share, consumedCapacity=consumed)]))
+    [a], [b], [whole] = answers.values()
+    assert (a.share_id, a.cdi_ids) == (shares[0][2], (
+        "k8s.gpu.nvidia.com/claim=u-1-gpu-0-0b5e3c7a",))
+    env_of = {uid: _spec(cdi, uid)["devices"][0]["containerEdits"].get("env")
+              for _, uid, _, _ in shares}
+    assert env_of["u-1"][1:] == ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+                                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"]
+    assert env_of["u-2"][1:] == ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"]
+    assert env_of["u-3"] is None  # all of the memory: the GPU whole, no MPS
+    gpu = sharer.plans[-1]["GPU-aaa"]
+    assert (gpu.replicas, gpu.thread_percentage, gpu.memory_limit_mib) == (2, 50, 20480)

@@ -83,6 +83,7 @@ class Config(NamedTuple):
     mode: str
     kubelet_dir: str
     dra_reboot_taint: str
+    dra_shared_gpus: tuple[str, ...]
     mig_strategy: str
     fail_on_init_error: bool
     driver_root: str

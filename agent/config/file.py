@@ -226,6 +226,7 @@ SCHEMA: dict = {
         "mode": OPTION,
         "kubeletDir": OPTION,
         "draRebootTaint": OPTION,
+        "draSharedGpus": OPTION,
         "mpsControl": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,

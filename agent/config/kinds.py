@@ -508,3 +508,35 @@ class PathListKind(Kind):
 
     def to_text(self, value: Any) -> str:
         return ",".join(value)
+
+
+class GpuListKind(Kind):
+    """GPUs by index or UUID, or `all`: comma-separated as text (empty: none), a list in the
+    file (agent.draSharedGpus)."""
+
+    metavar = "GPU,..."
+    text_form = "comma-separated GPU indexes or UUIDs, or all"
+
+    def _check_list(self, items: list[Any], subkeys: list[str]) -> tuple[str, ...]:
+        for item, subkey in zip(items, subkeys):
+            if not isinstance(item, (str, int)) or isinstance(item, bool) or not (
+                    item == "all" or str(item).isdigit() or str(item).startswith("GPU-")):
+                raise InvalidValue(f"expected a GPU index, a GPU UUID (GPU-...) or all, got "
+                                   f"{describe(item)}", subkey)
+        return tuple(str(i) for i in items)
+
+    def from_text(self, text: Any) -> tuple[str, ...]:
+        text = expect_str(text)
+        items = [item.strip() for item in text.split(",")] if text.strip() else []
+        return self._check_list(items, [""] * len(items))
+
+    def from_data(self, value: Any) -> tuple[str, ...]:
+        items = value if isinstance(value, list) else [value]
+        return self._check_list(items, [f"[{i}]" for i in range(len(items))]
+                                if isinstance(value, list) else [""])
+
+    def to_data(self, value: Any) -> list[str]:
+        return list(value)
+
+    def to_text(self, value: Any) -> str:
+        return ",".join(value)

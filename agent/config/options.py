@@ -18,6 +18,7 @@ from agent.config.kinds import (
     ChoiceListKind,
     ConfigFileKind,
     ConfigNameKind,
+    GpuListKind,
     IntervalKind,
     Kind,
     ListenAddressKind,
@@ -117,6 +118,15 @@ OPTIONS: tuple[Option, ...] = (
         "in dra mode, the effect of the taint on a device withdrawn for a fault only a reboot "
         "ends (XID 79, docs/health.md): NoExecute evicts the pods using it, NoSchedule only "
         "keeps new claims off it; every other withdrawal taints NoSchedule",
+    ),
+    Option(
+        "dra_shared_gpus", "--dra-shared-gpus", "GPU_AGENT_DRA_SHARED_GPUS",
+        "agent.draSharedGpus", GpuListKind(), (),
+        "in dra mode, the GPUs (indexes or UUIDs, or `all`) published as shareable by "
+        "consumable capacity (KEP-5075): several claims each get the memory and share of SMs "
+        "they ask, enforced by the GPU's MPS control daemon; a claim asking no capacity gets "
+        "the GPU whole",
+        default_text="none",
     ),
     Option(
         "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",

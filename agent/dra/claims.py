@@ -7,18 +7,23 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   its own restart); otherwise the ResourceClaim is read (its UID must be the one kubelet
   names), the results of its allocation for this driver and this node's pool are taken, each
   device checked against the devices this node publishes (one it does not: refused, naming
-  it), an opaque config for this driver refused (none is taken yet: the kind is named), the
-  claim's CDI spec written (`<cdi dir>/k8s.gpu.nvidia.com-claim_<uid>.json`: kind
-  `k8s.gpu.nvidia.com/claim`, a device `<uid>-<device name>` per device with its device nodes,
-  the control nodes and NVIDIA_VISIBLE_DEVICES at the spec's level: NVIDIA's names, cdi.go:45-46,
-  200, 300), the claim recorded, and the answer given: `k8s.gpu.nvidia.com/claim=<uid>-<device>`
-  per device (device_state.go:827-835). A refused claim writes nothing.
+  it), how each device is shared decided (agent.dra.sharing: NVIDIA's opaque GpuConfig and
+  MigDeviceConfig, consumable-capacity shares) and applied (a full GPU's time slice set, the
+  MPS daemons running: `sharer`), the claim's CDI spec written
+  (`<cdi dir>/k8s.gpu.nvidia.com-claim_<uid>.json`: kind `k8s.gpu.nvidia.com/claim`, a device
+  `<uid>-<device name>` per device with its device nodes, and for an MPS share its daemon's
+  pipe directory, /dev/shm and its limits; the control nodes and NVIDIA_VISIBLE_DEVICES at the
+  spec's level: NVIDIA's names, cdi.go:45-46, 200, 300), the claim recorded, and the answer
+  given: `k8s.gpu.nvidia.com/claim=<uid>-<device>` per device (device_state.go:827-835), with
+  its shareID. A refused claim writes nothing.
 - unprepare: the spec removed, then the record; a claim not recorded is already unprepared.
 - The record: `dra-claims.msgpack` in the state directory, replaced atomically (fsynced) on
   each change: {uid: [namespace, name, [[requests, pool, device, cdi ids], ...], spec path,
-  pods]}, pods being the names of the pods the claim was reserved for when it was prepared
-  (for status and metrics; a record of 0575db6 has no pods and loads). One that cannot be
-  read is moved aside (`.bad-<unix time>`) and reported, never overwritten in place.
+  pods, shares]}, pods being the names of the pods the claim was reserved for when it was
+  prepared (for status and metrics), shares each device's Share (the MPS daemons the claims
+  need follow from them: `mps_plan`); records of 0575db6 (no pods) and 434e476 (no shares)
+  load. One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never
+  overwritten in place.
 
 Must not call NVML (`devices` says what the node has) or decide scheduling.
 """
@@ -35,9 +40,11 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
+from agent.dra import sharing
 from agent.dra.plugin import ClaimRef, Prepared
+from agent.dra.sharing import MPS, Share
 from agent.dra.slices import DRIVER
-from agent.errors import AgentError, KubeApiError, StateError
+from agent.errors import ClaimError, KubeApiError, StateError
 from agent.fileio import write_atomic
 
 log = logging.getLogger(__name__)
@@ -46,26 +53,45 @@ CDI_KIND = f"k8s.{DRIVER}/claim"
 CDI_VERSION = "0.5.0"
 STATE_FILE = "dra-claims.msgpack"
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-
-
-class ClaimError(AgentError):
-    """A claim that cannot be prepared as asked (kubelet shows it in the pod's events)."""
+MPS_PIPE = "/tmp/nvidia-mps"  # NVIDIA's DRA driver's CUDA_MPS_PIPE_DIRECTORY (sharing.go:385)
+MPS_MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "bind"]  # sharing.go:386-398
 
 
 class NodeDevice(NamedTuple):
     """A device this node publishes: its UUID and the device nodes a container needs, each
-    (path in the container, path on the host: under the device root)."""
+    (path in the container, path on the host: under the device root), its type (the slice's
+    `type`: gpu or mig), its memory in bytes, and its GPU's index."""
 
     uuid: str
     nodes: tuple[tuple[str, str], ...]
+    kind: str = "gpu"
+    memory: int = 0
+    index: int = -1
+
+
+class Sharer:
+    """What applying a Share takes, done by agent.dramode: `timeslice(gpu uuid, interval)`
+    (nvidia-smi, as NVIDIA's driver), `mps(plan)` (make the MPS daemons those of the plan,
+    agent.dra.sharing.mps_plan, and say which are down: UUID -> why), and where the daemons'
+    pipe directories are (`mps_root`). This one refuses both."""
+
+    mps_root = ""
+
+    def timeslice(self, uuid: str, interval: int) -> None:
+        raise ClaimError("time-slicing settings are not available here")
+
+    def mps(self, plan: dict) -> dict[str, str]:
+        raise ClaimError("MPS is not available here")
 
 
 def spec_path(cdi_dir: str, uid: str) -> str:
     return os.path.join(cdi_dir, f"{CDI_KIND.replace('/', '-')}_{uid}.json")
 
 
-def cdi_name(uid: str, device: str) -> str:
-    return f"{uid}-{device}"
+def cdi_name(uid: str, device: str, share_id: str = "") -> str:
+    """NVIDIA's `<claim uid>-<device>` (cdi.go:200); a share of a shareable GPU adds its
+    shareID's first 8 characters (one claim may hold two shares of one device)."""
+    return f"{uid}-{device}" + (f"-{share_id[:8]}" if share_id else "")
 
 
 class Claims:
@@ -73,14 +99,17 @@ class Claims:
     `devices()`: the devices the node publishes now, by name."""
 
     def __init__(self, client: Any, node: str, devices: Callable[[], Mapping[str, NodeDevice]],
-                 state_dir: str, cdi_dir: str = "/var/run/cdi", dev_root: str = "/"):
+                 state_dir: str, cdi_dir: str = "/var/run/cdi", dev_root: str = "/",
+                 sharer: Sharer | None = None):
         self.client = client
+        self.sharer = sharer or Sharer()
         self.node = node
         self.devices = devices
         self.cdi_dir = cdi_dir
         self.dev_root = dev_root
         self.path = os.path.join(state_dir, STATE_FILE)
         self._lock = threading.Lock()
+        self._had_mps = True  # the first sync_mps tells the daemons even an empty plan
         self.prepared: dict[str, list] = self._load()
 
     # -- prepare ----------------------------------------------------------------------------
@@ -89,28 +118,67 @@ class Claims:
         with self._lock:
             held = self.prepared.get(claim.uid)
             if held is not None:
-                return [Prepared(tuple(r), p, d, tuple(c)) for r, p, d, c in held[2]]
-            results, pods = self._results(claim)
+                return [Prepared(tuple(r), p, d, tuple(c), share.share_id)
+                        for (r, p, d, c), share in zip(held[2], _shares(held))]
+            results, pods, configs = self._results(claim)
+            known = self.devices()
+            where = f"claim {claim.namespace}/{claim.name}"
+            shares = sharing.shares(results, configs, known, where)
             spec = spec_path(self.cdi_dir, claim.uid)
             answer = [Prepared((r["request"],), r["pool"], r["device"],
-                               (f"{CDI_KIND}={cdi_name(claim.uid, r['device'])}",))
-                      for r in results]
-            self._write_spec(claim.uid, spec, results)
+                               (f"{CDI_KIND}={cdi_name(claim.uid, r['device'], s.share_id)}",),
+                               s.share_id)
+                      for r, s in zip(results, shares)]
+            record = [claim.namespace, claim.name,
+                      [[list(p.requests), p.pool, p.device, list(p.cdi_ids)] for p in answer],
+                      spec, pods, [s.record() for s in shares]]
+            self._share(results, shares, known, {**self.prepared, claim.uid: record})
+            self._write_spec(claim.uid, spec, results, shares)
             try:
-                self._save({**self.prepared, claim.uid: [
-                    claim.namespace, claim.name,
-                    [[list(p.requests), p.pool, p.device, list(p.cdi_ids)] for p in answer],
-                    spec, pods]})
+                self._save({**self.prepared, claim.uid: record})
             except StateError:
                 _remove(spec)  # not recorded: not prepared either
+                self.sync_mps()
                 raise
             log.info("claim %s/%s (%s) prepared: %s", claim.namespace, claim.name, claim.uid,
-                     ", ".join(p.device for p in answer))
+                     ", ".join(p.device + (f" ({s.strategy})" if s.strategy else "")
+                               for p, s in zip(answer, shares)))
             return answer
 
-    def _results(self, claim: ClaimRef) -> tuple[list[dict], list[str]]:
-        """The claim's allocation results for this driver on this node, checked, and the
-        names of the pods it is reserved for."""
+    def _share(self, results: list[dict], shares: list[Share], known: Mapping[str, NodeDevice],
+               prepared: dict[str, list]) -> None:
+        """Apply the claim's shares before kubelet is told: a time slice set on each full GPU
+        shared by TimeSlicing, and the MPS daemons of `prepared` (with the claim) running."""
+        for r, s in zip(results, shares):
+            if s.interval:
+                self.sharer.timeslice(known[r["device"]].uuid, sharing.INTERVALS[s.interval])
+        if not any(s.strategy == MPS for s in shares):
+            return
+        down = self.sharer.mps(self.mps_plan(prepared))
+        for r, s in zip(results, shares):
+            why = down.get(known[r["device"]].uuid) if s.strategy == MPS else None
+            if why:
+                raise ClaimError(f"the MPS control daemon of {r['device']} is not running: "
+                                 f"{why}")
+
+    def mps_plan(self, prepared: dict[str, list] | None = None) -> dict:
+        """The MPS daemons the prepared claims need (agent.dra.sharing.mps_plan)."""
+        known = self.devices()
+        held = self.prepared if prepared is None else prepared
+        return sharing.mps_plan((known[d[2]], share) for v in held.values()
+                                for d, share in zip(v[2], _shares(v)) if d[2] in known)
+
+    def sync_mps(self) -> None:
+        """Make the MPS daemons those the recorded claims need (at start: adopt them)."""
+        plan = self.mps_plan()
+        if plan or self._had_mps:
+            self.sharer.mps(plan)
+        self._had_mps = bool(plan)
+
+    def _results(self, claim: ClaimRef) -> tuple[list[dict], list[str], list]:
+        """The claim's allocation results for this driver on this node, checked, the names of
+        the pods it is reserved for, and its configs for this driver
+        (agent.dra.sharing.read_configs)."""
         path = (f"/apis/resource.k8s.io/v1/namespaces/{claim.namespace}/resourceclaims/"
                 f"{claim.name}")
         try:
@@ -123,14 +191,8 @@ class Claims:
                              f"(deleted and made again)")
         allocation = (doc.get("status") or {}).get("allocation") or {}
         devices = allocation.get("devices") or {}
-        for config in devices.get("config") or []:
-            opaque = config.get("opaque") or {}
-            if opaque.get("driver") == DRIVER:
-                params = opaque.get("parameters") or {}
-                raise ClaimError(
-                    f"claim {claim.namespace}/{claim.name}: opaque config "
-                    f"{params.get('apiVersion', '?')} {params.get('kind', '?')} for {DRIVER} "
-                    f"is not supported by gpu-agent yet")
+        configs = sharing.read_configs(devices.get("config") or [],
+                                       f"claim {claim.namespace}/{claim.name}")
         ours = [r for r in devices.get("results") or [] if r.get("driver") == DRIVER]
         if not ours:
             raise ClaimError(f"claim {claim.namespace}/{claim.name} has no device of {DRIVER} "
@@ -143,16 +205,18 @@ class Claims:
                                  f"{self.node} does not have")
         pods = [r.get("name", "") for r in (doc.get("status") or {}).get("reservedFor") or []
                 if r.get("resource") == "pods"]
-        return ours, pods
+        return ours, pods, configs
 
-    def _write_spec(self, uid: str, path: str, results: list[dict]) -> None:
+    def _write_spec(self, uid: str, path: str, results: list[dict], shares: list[Share]
+                    ) -> None:
         known = self.devices()
         spec = {
             "cdiVersion": CDI_VERSION,
             "kind": CDI_KIND,
-            "devices": [{"name": cdi_name(uid, r["device"]), "containerEdits": {
-                "deviceNodes": [_node(c, h) for c, h in known[r["device"]].nodes]}}
-                for r in results],
+            "devices": [{"name": cdi_name(uid, r["device"], s.share_id), "containerEdits": {
+                "deviceNodes": [_node(c, h) for c, h in known[r["device"]].nodes],
+                **self._mps_edits(known[r["device"]], s)}}
+                for r, s in zip(results, shares)],
             "containerEdits": {
                 "env": ["NVIDIA_VISIBLE_DEVICES=" +
                         ",".join(known[r["device"]].uuid for r in results)],
@@ -167,12 +231,35 @@ class Claims:
         except OSError as exc:
             raise ClaimError(f"cannot write the claim's CDI spec {path}: {exc}") from None
 
+    def _mps_edits(self, device: NodeDevice, share: Share) -> dict:
+        """An MPS share's container: its daemon's pipe directory and /dev/shm (as NVIDIA's
+        driver mounts them, sharing.go:381-400) and its limits in its environment (a client
+        may lower the daemon's defaults, not raise them; the container sees its device as
+        device 0)."""
+        if share.strategy != MPS:
+            return {}
+        from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
+
+        root = self.sharer.mps_root
+        threads = 100 if share.threads is None else share.threads
+        memory = device.memory >> 20 if share.memory_mib is None else share.memory_mib
+        return {
+            "env": [f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE}",
+                    f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={threads}",
+                    f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={memory}M"],
+            "mounts": [{"hostPath": mps_pipe_dir(root, device.uuid), "containerPath": MPS_PIPE,
+                        "options": MPS_MOUNT_OPTIONS},
+                       {"hostPath": mps_shm_dir(root), "containerPath": "/dev/shm",
+                        "options": MPS_MOUNT_OPTIONS}],
+        }
+
     def listing(self) -> list[dict]:
         """The prepared claims as status and the metrics show them, sorted."""
         with self._lock:
             held = list(self.prepared.items())
         return sorted(({"namespace": v[0], "name": v[1], "uid": uid,
-                        "devices": [d[2] for d in v[2]], "pods": v[4] if len(v) > 4 else []}
+                        "devices": [d[2] for d in v[2]], "pods": v[4] if len(v) > 4 else [],
+                        "sharing": [s.strategy or "exclusive" for s in _shares(v)]}
                        for uid, v in held), key=lambda c: (c["namespace"], c["name"]))
 
     # -- unprepare ----------------------------------------------------------------------------
@@ -189,6 +276,8 @@ class Claims:
                     from None
             self._save({k: v for k, v in self.prepared.items() if k != claim.uid})
             log.info("claim %s/%s (%s) unprepared", claim.namespace, claim.name, claim.uid)
+            if any(share.strategy == MPS for share in _shares(held)):
+                self.sync_mps()  # a daemon no claim needs any more quits
 
     # -- the record ---------------------------------------------------------------------------
 
@@ -209,9 +298,9 @@ class Claims:
         try:
             prepared = msgpack.unpackb(raw, raw=False)
             if not isinstance(prepared, dict) or not all(
-                    isinstance(v, list) and len(v) in (4, 5) for v in prepared.values()):
+                    isinstance(v, list) and len(v) in (4, 5, 6) for v in prepared.values()):
                 raise ValueError("not a map of claim UID to [namespace, name, devices, spec, "
-                                 "pods]")
+                                 "pods, shares]")
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             aside = f"{self.path}.bad-{int(time.time())}"
             os.replace(self.path, aside)
@@ -220,6 +309,13 @@ class Claims:
                       self.path, exc, aside)
             return {}
         return prepared
+
+
+def _shares(record: list) -> list[Share]:
+    """The Share of each device of a record (one of 0575db6 or 434e476 has none: exclusive)."""
+    if len(record) > 5:
+        return [Share(*share) for share in record[5]]
+    return [Share() for _ in record[2]]
 
 
 def _node(path: str, host: str) -> dict:

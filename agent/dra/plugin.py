@@ -60,6 +60,7 @@ class Prepared(NamedTuple):
     pool: str
     device: str
     cdi_ids: tuple[str, ...]  # fully qualified CDI device IDs
+    share_id: str = ""  # a share of a device allowing several allocations (v1 only)
 
 
 def socket_paths(kubelet_dir: str, driver: str = DRIVER) -> tuple[str, str]:
@@ -174,8 +175,10 @@ class _Handlers:
             answer = out.claims[c.uid]
             try:
                 for d in self.claims.prepare(ref):
-                    answer.devices.add(request_names=d.requests, pool_name=d.pool,
-                                       device_name=d.device, cdi_device_ids=d.cdi_ids)
+                    device = answer.devices.add(request_names=d.requests, pool_name=d.pool,
+                                                device_name=d.device, cdi_device_ids=d.cdi_ids)
+                    if d.share_id and api is v1:  # v1beta1 has no share_id
+                        device.share_id = d.share_id
             except AgentError as exc:
                 del answer.devices[:]
                 answer.error = str(exc)

@@ -15,7 +15,9 @@ so that DeviceClasses, ResourceClaimTemplates and CEL selectors written for NVID
   <placement start>` (mig.go:111-114), with its parent's attributes, `type: mig`, `uuid`,
   `parentUUID` and `profile` (mig.go:118-185) and its GPU instance profile's counts as
   capacities, plus `memorySlice<i>: 1` for each memory slice it holds (deviceinfo.go:209-232);
-  a GPU in MIG mode publishes its MIG devices only.
+  a GPU in MIG mode publishes its MIG devices only;
+- a GPU named in agent.draSharedGpus is shareable (`gpu_device`): gpu-agent's own, as
+  NVIDIA's driver has no consumable capacity.
 
 Versions are written as Masterminds semver writes them ("9.0" -> "9.0.0", "570.124.06" ->
 "570.124.6"), quantities as Kubernetes writes a binary-SI quantity ("81559Mi").
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from fractions import Fraction
 from typing import Any
 
 DRIVER = "gpu.nvidia.com"
@@ -34,6 +37,11 @@ API_VERSION = "resource.k8s.io/v1"
 # attributes in Kubernetes' own domain (k8s.io/dynamic-resource-allocation deviceattribute)
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+
+# a shareable GPU's capacities (gpu_device)
+MEMORY = "memory"
+CORES = "cores"
+MIN_SHARE_MEMORY = 1 << 30
 
 _BINARY_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
 
@@ -45,6 +53,33 @@ def quantity(n: int) -> str:
         if n and n % (1 << shift) == 0:
             return f"{n >> shift}{suffix}"
     return str(n)
+
+
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m|n|u)|"
+                       r"[eE]([+-]?\d+))?$")
+_SCALES = {"Ki": Fraction(1 << 10), "Mi": Fraction(1 << 20), "Gi": Fraction(1 << 30),
+           "Ti": Fraction(1 << 40), "Pi": Fraction(1 << 50), "Ei": Fraction(1 << 60),
+           "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9),
+           "T": Fraction(10**12), "P": Fraction(10**15), "E": Fraction(10**18),
+           "m": Fraction(1, 10**3), "u": Fraction(1, 10**6), "n": Fraction(1, 10**9)}
+
+
+def parse_quantity(text: Any) -> Fraction:
+    """A Kubernetes quantity ("20Gi", "1.5G", "500m", "1e9", 7) as an exact number; ValueError
+    for anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return Fraction(text)
+    match = _QUANTITY.match(text) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"{text!r} is not a quantity (a number with an optional suffix: "
+                         f"Ki, Mi, Gi, Ti, k, M, G, T, m, or an exponent)")
+    number, suffix, exponent = match.groups()
+    value = Fraction(number)
+    if suffix:
+        value *= _SCALES[suffix]
+    elif exponent:
+        value *= Fraction(10) ** int(exponent)
+    return value
 
 
 def semver(text: str) -> str:
@@ -115,9 +150,14 @@ def gpu_attributes(gpu: Any, identity: Any, driver: Any, root: str | None) -> di
     return attrs
 
 
-def gpu_device(gpu: Any, shared: dict) -> dict:
-    """The device of a full GPU; `shared`: its gpu_attributes."""
-    return {
+def gpu_device(gpu: Any, shared: dict, shareable: bool = False) -> dict:
+    """The device of a full GPU; `shared`: its gpu_attributes. A `shareable` one (KEP-5075,
+    consumable capacity) allows several allocations, each consuming some of its `memory`
+    (bytes, at least MIN_SHARE_MEMORY; all of it when a claim names none, so a claim that asks
+    no capacity gets the GPU whole) and of its `cores` (percent of its SMs, 0 when a claim
+    names none: the share's SMs then follow its memory, agent.dra.sharing); the scheduler
+    keeps the sums within the values."""
+    device = {
         "name": f"gpu-{gpu.minor}",
         "attributes": {
             "type": _string("gpu"), "uuid": _string(gpu.uuid), **shared,
@@ -126,6 +166,16 @@ def gpu_device(gpu: Any, shared: dict) -> dict:
         },
         "capacity": _capacity({"memory": gpu.memory_total}),
     }
+    if shareable:
+        memory = quantity(gpu.memory_total)
+        device["allowMultipleAllocations"] = True
+        device["capacity"] = {
+            MEMORY: {"value": memory, "requestPolicy": {
+                "default": memory, "validRange": {"min": quantity(MIN_SHARE_MEMORY)}}},
+            CORES: {"value": "100", "requestPolicy": {
+                "default": "0", "validRange": {"min": "0", "step": "1"}}},
+        }
+    return device
 
 
 def mig_device(mig: Any, placement: Any, parent_shared: dict) -> dict:
@@ -151,12 +201,13 @@ def mig_device(mig: Any, placement: Any, parent_shared: dict) -> dict:
     }
 
 
-def node_devices(gpus: Sequence[Any], migs: Iterable[tuple[Any, Any]], shared: dict[str, dict]
-                 ) -> list[dict]:
+def node_devices(gpus: Sequence[Any], migs: Iterable[tuple[Any, Any]], shared: dict[str, dict],
+                 shareable: Collection[str] = ()) -> list[dict]:
     """Every device of the node, by name: the GPUs not in MIG mode, and the MIG devices
     (`migs`: (MigDevice, MigPlacement) pairs) of those that are. `shared`: GPU UUID -> its
-    gpu_attributes."""
-    out = [gpu_device(g, shared[g.uuid]) for g in gpus if not g.mig_enabled]
+    gpu_attributes; `shareable`: the UUIDs of the GPUs shared by consumable capacity."""
+    out = [gpu_device(g, shared[g.uuid], g.uuid in shareable) for g in gpus
+           if not g.mig_enabled]
     out += [mig_device(m, p, shared[m.parent.uuid]) for m, p in migs]
     return sorted(out, key=lambda d: d["name"])
 

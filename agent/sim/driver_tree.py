@@ -25,6 +25,9 @@ Owns: `build(root, ...)` and the `gpu-agent sim driver-tree DIR` command. The tr
   names per GPU and per MIG device of a MIG-enabled GPU, and `all`);
 - /usr/bin/nvidia-ctk and /usr/bin/nvidia-container-runtime: scripts that answer --version
   only; optionally /usr/bin/systemctl answering `is-active` with a given state;
+- /usr/bin/nvidia-smi: a script that takes the two commands NVIDIA's DRA driver runs to
+  time-slice a GPU (`-i ID -c MODE`, `compute-policy -i ID --set-timeslice N`), answers as
+  nvidia-smi does and records each call in /var/log/nvidia-smi.log (NVIDIA_SMI_LOG);
 - optionally the driver's libraries in /usr/lib/x86_64-linux-gnu, named for the profile's
   driver version as the driver installs them: libnvidia-ml.so.<version> is a copy of the
   simulated NVML, libcuda.so.<version> an empty placeholder, each with its .so.1 link. That is
@@ -51,6 +54,7 @@ CAPS_MAJOR = 509
 TOOLKIT_VERSION = "1.17.8"
 CONTAINERD_PLUGIN = {2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
 RUNTIME_BINARY = "/usr/bin/nvidia-container-runtime"
+NVIDIA_SMI_LOG = "/var/log/nvidia-smi.log"  # the calls of the simulated nvidia-smi
 LIBRARY_DIR = "/usr/lib/x86_64-linux-gnu"  # where Debian and Ubuntu drivers put them
 NODE_KINDS = ("file", "fifo", "char")
 
@@ -123,6 +127,19 @@ def _systemctl_stub(state: str) -> str:
             f"if [ \"$1\" = \"is-active\" ]; then\n  echo \"{state}\"\n"
             f"  [ \"{state}\" = active ] && exit 0\n  exit 3\nfi\n"
             "echo \"simulated systemctl: only is-active is implemented\" >&2\nexit 1\n")
+
+
+def _nvidia_smi_stub(log: str) -> str:
+    return ("#!/bin/sh\n# gpu-agent simulated driver tree: nvidia-smi setting a compute mode or "
+            "a time slice, recorded, nothing changed.\n"
+            f"mkdir -p '{os.path.dirname(log)}' && echo \"$*\" >> '{log}'\n"
+            "case \"$*\" in\n"
+            "  \"-i \"*\" -c \"*) echo \"Compute mode set to $4 for GPU $2.\"; exit 0;;\n"
+            "  \"compute-policy -i \"*\" --set-timeslice \"*)\n"
+            "    echo \"Set timeslice to $5 for GPU $3\"; exit 0;;\n"
+            "esac\n"
+            "echo \"simulated nvidia-smi: only -i ID -c MODE and compute-policy -i ID "
+            "--set-timeslice N are implemented\" >&2\nexit 2\n")
 
 
 def _cdi_spec(gpus: list[dict]) -> str:
@@ -246,6 +263,7 @@ def build(root: str, profile: str | None = None, *, node_kind: str = "file",
                 _version_stub("nvidia-container-runtime", "NVIDIA Container Runtime"))
     if systemctl is not None:
         _script(tree.path("/usr/bin/systemctl"), _systemctl_stub(systemctl))
+    _script(tree.path("/usr/bin/nvidia-smi"), _nvidia_smi_stub(tree.path(NVIDIA_SMI_LOG)))
     if driver_libraries:
         _driver_libraries(tree, loaded["driver_version"])
     return tree
