@@ -17,6 +17,7 @@ import signal
 import time
 import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -127,12 +128,12 @@ class E2ENode:
         self.agents.append(agent)
         return agent
 
-    def dra_agent(self, *args: str, kubeconfig: str | None = None,
-                  env: dict | None = None) -> tuple[Agent, dict]:
-        """The agent in DRA mode (`args` added, QUIET), its slice published (returned) and its
-        plugin registered by kubelet, and the namespace able to take pods; the node's identity
-        (the kubelet's kubeconfig) unless `kubeconfig` says otherwise."""
-        agent = self.agent("dgx1-v100", "--mode", "dra", "--kubelet-dir",
+    def dra_agent(self, *args: str, kubeconfig: str | None = None, env: dict | None = None,
+                  profile: str = "dgx1-v100") -> tuple[Agent, dict]:
+        """The agent in DRA mode on `profile`'s node (`args` added, QUIET), its slice published
+        (returned) and its plugin registered by kubelet, and the namespace able to take pods;
+        the node's identity (the kubelet's kubeconfig) unless `kubeconfig` says otherwise."""
+        agent = self.agent(profile, "--mode", "dra", "--kubelet-dir",
                            self.cluster.kubelet_root, *QUIET, *args, kubeconfig=kubeconfig,
                            env=env)
         try:
@@ -400,14 +401,17 @@ def device_classes() -> list[dict]:
 
 
 def resource_claim(name: str, count: int = 1, selector: str = "",
-                   config: list | None = None) -> dict:
+                   config: list | None = None, capacity: dict | None = None) -> dict:
     """ResourceClaim `name` asking `count` devices (request "gpu") of the class gpu.nvidia.com,
-    those `selector` (a CEL expression) admits, with `config` (spec.devices.config)."""
+    those `selector` (a CEL expression) admits, with `config` (spec.devices.config), and of
+    each device `capacity` (KEP-5075: name -> quantity)."""
     exactly: dict = {"deviceClassName": DRIVER}
     if count != 1:
         exactly["count"] = count
     if selector:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
     devices: dict = {"requests": [{"name": "gpu", "exactly": exactly}]}
     if config:
         devices["config"] = config
@@ -434,3 +438,24 @@ def write_result(results: dict, key: str, value) -> None:
     print(f"measured {key}: {value}")
 
 
+MPS_STAND_IN = str(ROOT / "agent" / "sim" / "bin" / "nvidia-cuda-mps-control")
+
+
+@pytest.fixture
+def mps_root(node):
+    """The agent's --mps-root for the test; the daemons started under it killed at its end
+    (after the agents, so that none starts one again)."""
+    from agent.rm.sharing import mps_pipe_dir
+
+    root = node.cluster.path("mps")
+    yield root
+    for agent in node.agents:
+        if agent.proc.alive():
+            agent.proc.stop(signal.SIGKILL)
+    for uuid in os.listdir(root) if os.path.isdir(root) else ():
+        pid_file = Path(mps_pipe_dir(root, uuid), "nvidia-cuda-mps-control.pid")
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -19,6 +19,7 @@ from agent.sim import control
 from tests.e2e.cluster import NODE
 from tests.e2e.conftest import (
     DRIVER,
+    MPS_STAND_IN,
     NS,
     QUIET,
     RESOURCE_API,
@@ -63,10 +64,11 @@ def dra(node):
         print(f"cleanup: slices not deleted: {exc}")
 
 
-def _dra_agent(node, dra, *args: str, kubeconfig: str | None = None, env: dict | None = None):
+def _dra_agent(node, dra, *args: str, kubeconfig: str | None = None, env: dict | None = None,
+               profile: str = "dgx1-v100"):
     """node.dra_agent(...), and the DeviceClasses the package ships (made through `dra`, so
     the test deletes them)."""
-    agent, published = node.dra_agent(*args, kubeconfig=kubeconfig, env=env)
+    agent, published = node.dra_agent(*args, kubeconfig=kubeconfig, env=env, profile=profile)
     for c in CLASSES:
         dra(f"{RESOURCE_API}/deviceclasses", c)
     return agent, published
@@ -78,10 +80,11 @@ def _taints_or_skip(k8s_version: str) -> None:
                     f"here): beta from 1.36, GA from 1.37")
 
 
-def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1,
-                    selector: str = "") -> None:
+def _pod_with_claim(node, dra, pod: str, claim: str, count: int = 1, selector: str = "",
+                    config: list | None = None, capacity: dict | None = None) -> None:
     """ResourceClaim `claim` (resource_claim's) and pod `pod` using it in its one container."""
-    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", resource_claim(claim, count, selector))
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims",
+        resource_claim(claim, count, selector, config, capacity))
     node.create_pod_with_claim(pod, claim)
 
 
@@ -380,3 +383,91 @@ def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
     assert status["dra"]["preparedClaims"] == [f"{NS}/good"]
     for pod in ("unknown-config", "missing-device"):
         assert node.pod(pod)["status"]["phase"] == "Pending"
+
+
+def _gpu_config(sharing: dict) -> list:
+    """spec.devices.config with NVIDIA's opaque GpuConfig (api/nvidia.com/resource/v1beta1
+    gpuconfig.go, sharing.go; its demo specs/quickstart gpu-test4.yaml and gpu-test-mps.yaml
+    share one claim between pods this way)."""
+    return [{"opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing}}}]
+
+
+def test_two_pods_share_one_gpu_through_a_claim_with_time_slicing(node, dra):
+    """Both pods run on the claim's one GPU; its time slice set as NVIDIA's driver sets it
+    (nvidia-smi -c DEFAULT, then compute-policy --set-timeslice 1 for Short)."""
+    agent, _ = _dra_agent(node, dra)
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", resource_claim(
+        "time-sliced", config=_gpu_config({"strategy": "TimeSlicing",
+                                           "timeSlicingConfig": {"interval": "Short"}})))
+    for pod in ("ts-a", "ts-b"):
+        node.create_pod_with_claim(pod, "time-sliced")
+    for pod in ("ts-a", "ts-b"):
+        node.wait_running(pod)
+    a, b = node.seen("ts-a"), node.seen("ts-b")
+    assert a.env["NVIDIA_VISIBLE_DEVICES"] == b.env["NVIDIA_VISIBLE_DEVICES"], (a.raw, b.raw)
+    assert a.nodes == b.nodes and len(a.nodes) == 1
+    uuid = a.env["NVIDIA_VISIBLE_DEVICES"]
+    calls = open(os.path.join(agent.root, "var/log/nvidia-smi.log")).read().splitlines()
+    assert calls[-2:] == [f"-i {uuid} -c DEFAULT", f"compute-policy -i {uuid} --set-timeslice 1"]
+
+
+def test_two_pods_share_one_gpu_through_a_claim_with_mps_and_carry_its_limits(node, mps_root,
+                                                                            dra):
+    # mps_root before dra: its end (the daemons killed) comes after dra's (the pods deleted,
+    # their claims unprepared by the agent)
+    """The GPU's MPS control daemon runs (the agent's, with the config's defaults); both
+    pods' containers get its pipe directory and /dev/shm, and the limits in their
+    environment."""
+    _dra_agent(node, dra, "--mps-root", mps_root, "--mps-control", MPS_STAND_IN)
+    dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", resource_claim(
+        "mps-shared", config=_gpu_config({"strategy": "MPS", "mpsConfig": {
+            "defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "8Gi"}})))
+    for pod in ("mps-a", "mps-b"):
+        node.create_pod_with_claim(pod, "mps-shared")
+    for pod in ("mps-a", "mps-b"):
+        node.wait_running(pod)
+    seen = [node.seen(p) for p in ("mps-a", "mps-b")]
+    assert seen[0].env["NVIDIA_VISIBLE_DEVICES"] == seen[1].env["NVIDIA_VISIBLE_DEVICES"]
+    uuid = seen[0].env["NVIDIA_VISIBLE_DEVICES"]
+    for s in seen:
+        assert (s.env["CUDA_MPS_PIPE_DIRECTORY"], s.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
+                s.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+            "/tmp/nvidia-mps", "50", "0=8192M"), s.raw
+    inside = node.exec("mps-b", "ls /tmp/nvidia-mps")
+    assert "nvidia-cuda-mps-control.pid" in inside.split()
+    log = open(os.path.join(mps_root, uuid, "log", "control.log")).read()
+    assert "set_default_active_thread_percentage 50" in log
+    assert "set_default_device_pinned_mem_limit 0 8192M" in log
+
+
+def test_claims_of_20gi_share_one_80gb_gpu_by_capacity_and_one_more_of_30gi_waits(
+        node, mps_root, dra, k8s_version):
+    """KEP-5075 (DRAConsumableCapacity, beta from 1.36): GPU 0 published as shareable
+    (agent.draSharedGpus); three claims of 20Gi are allocated to it and run, each container
+    with its MPS share; a fourth of 30Gi does not fit the 80 GB and stays pending."""
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
+        pytest.skip(f"consumable capacity is alpha in {k8s_version} (gate "
+                    f"DRAConsumableCapacity, off here): beta from 1.36")
+    gpu = profile_gpus("dgx-h100")[0]
+    _dra_agent(node, dra, "--dra-shared-gpus", "0", "--mps-root", mps_root, "--mps-control",
+               MPS_STAND_IN, profile="dgx-h100")
+    shareable = "device.allowMultipleAllocations"
+    for i in range(3):
+        _pod_with_claim(node, dra, f"share-{i}", f"share-{i}", selector=shareable,
+                        capacity={"memory": "20Gi"})
+    for i in range(3):
+        node.wait_running(f"share-{i}")
+    for i in range(3):
+        claim = node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/share-{i}")
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["device"], result["consumedCapacity"]["memory"]) == (
+            f"gpu-{gpu['minor']}", "20Gi")
+        seen = node.seen(f"share-{i}")
+        assert seen.env["NVIDIA_VISIBLE_DEVICES"] == gpu["uuid"], seen.raw
+        assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M", seen.raw
+        assert seen.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(
+            -(-100 * 20 * 1024 // (gpu["memory"]["total"] >> 20))), seen.raw
+    _pod_with_claim(node, dra, "share-3", "share-3", selector=shareable,
+                    capacity={"memory": "30Gi"})
+    node.wait_unschedulable("share-3")

@@ -4,19 +4,15 @@ and MPS on the real kubelet and containerd, read from inside the containers.
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
-from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
-from tests.e2e.conftest import GPU, profile_gpus
+from agent.rm.sharing import mps_shm_dir
+from tests.e2e.conftest import GPU, MPS_STAND_IN, profile_gpus
 
 MIG_1G = "nvidia.com/mig-1g.10gb"
 MPS = "nvidia.com/gpu-mps"
-MPS_STAND_IN = str(Path(__file__).resolve().parents[2] / "agent" / "sim" / "bin"
-                   / "nvidia-cuda-mps-control")
 
 
 def _mig_instances(profile: str, name: str) -> dict[str, tuple[dict, dict]]:
@@ -83,22 +79,6 @@ def test_four_pods_share_one_gpu_time_sliced(node):
         seen = node.seen(pod)
         assert seen.nodes == {f"nvidia{index[uuid]}"}, seen.raw
         assert seen.env["NVIDIA_VISIBLE_DEVICES"] == uuid
-
-
-@pytest.fixture
-def mps_root(node):
-    root = node.cluster.path("mps")
-    yield root
-    for agent in node.agents:  # first: no agent restarts a daemon killed below
-        if agent.proc.alive():
-            agent.proc.stop(signal.SIGKILL)
-    for uuid in os.listdir(root) if os.path.isdir(root) else ():
-        pid_file = Path(mps_pipe_dir(root, uuid), "nvidia-cuda-mps-control.pid")
-        if pid_file.exists():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_an_mps_pod_gets_its_daemons_pipe_shm_and_share(node, mps_root):
