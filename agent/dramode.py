@@ -27,7 +27,8 @@ from agent.dra.claims import Claims, NodeDevice, Sharer
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
 from agent.errors import AgentError, ClaimError
-from agent.nvml import driver, identity, mig
+from agent.host import ensure_cap_node
+from agent.nvml import driver, identity, mig, partitions
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class DraMode:
         self.publisher = SlicePublisher(self.client, self.node)
         self.devices: list[dict] = []  # as published: with the taints
         self._untainted: list[dict] = []  # as read
+        # the slices beside the node's (GPUs partitioned on demand): suffix -> content, as
+        # published and as read
+        self.more: dict[str, dict] = {}
+        self._more_untainted: dict[str, dict] = {}
+        self.gpus: list = []
         self.taints: dict[str, tuple[str, str, str]] = {}  # name -> (reason, since, effect)
         # device UUID -> (reason, needs a reboot), as the monitor says
         self._withdrawn: dict[str, tuple[str, bool]] = {}
@@ -57,7 +63,7 @@ class DraMode:
         self.node_devices: dict[str, NodeDevice] = {}
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
-                             cfg.driver_root, sharer=_Sharer(cfg, mps))
+                             cfg.driver_root, sharer=_Sharer(cfg, mps, lambda: self.gpus))
         self.on_change = on_change
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
                                 on_change=self._plugin_changed)
@@ -71,10 +77,15 @@ class DraMode:
     def apply(self, gpus: list, cfg: Any) -> None:
         """Read the devices of `gpus` and publish them (here: the daemon's start waits for
         the first publication); start the kubelet plugin (once)."""
-        untainted, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root,
-                                        _shareable(gpus, cfg.dra_shared_gpus))
+        untainted, more, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root,
+                                              _named(gpus, cfg.dra_shared_gpus,
+                                                     "agent.draSharedGpus"),
+                                              _named(gpus, cfg.dra_dynamic_mig,
+                                                     "agent.draDynamicMig"))
         with self._lock:
-            self._untainted, self.node_devices = untainted, node_devices
+            self.gpus = list(gpus)
+            self._untainted, self._more_untainted = untainted, more
+            self.node_devices = node_devices
             self.reboot_effect = cfg.dra_reboot_taint  # a reload may change it
             self._taint()
         if self._thread is None:
@@ -133,16 +144,18 @@ class DraMode:
         for name in self.taints.keys() - taints.keys():
             log.info("DRA device %s: taint %s removed (healthy again)", name, slices.UNHEALTHY)
         devices = slices.with_taints(self._untainted, taints)
+        more = {k: {"devices": slices.with_taints(v["devices"], taints)} if "devices" in v else v
+                for k, v in self._more_untainted.items()}
         self.plugin.health.set({(self.node, name): taints[name][0] if name in taints else ""
                                 for name in self.node_devices})
-        changed = devices != self.devices
-        self.taints, self.devices = taints, devices
+        changed = (devices, more) != (self.devices, self.more)
+        self.taints, self.devices, self.more = taints, devices, more
         return changed
 
     def _publish(self) -> bool:
         with self._lock:
             try:
-                self.publisher.publish(self.devices)
+                self.publisher.publish(self.devices, self.more)
             except AgentError as exc:
                 if str(exc) != self.error:
                     log.warning("ResourceSlice of %s not published: %s; trying again every "
@@ -190,10 +203,44 @@ class _Sharer(Sharer):
     (its MPS daemons, agent.mps.daemons, run those of device-plugin mode's sharing.mps and
     those of the claims)."""
 
-    def __init__(self, cfg: Any, mps: Callable[[dict], dict[str, str]] | None):
+    def __init__(self, cfg: Any, mps: Callable[[dict], dict[str, str]] | None,
+                 gpus: Callable[[], list]):
         self.mps_root = cfg.mps_root_dir
         self.nvidia_smi = os.path.join(cfg.driver_root, "usr/bin/nvidia-smi")
+        self.driver_root = cfg.driver_root
+        self.dev_root = cfg.dev_root or cfg.driver_root
         self._mps = mps
+        self._gpus = gpus
+
+    def _gpu(self, index: int) -> Any:
+        for g in self._gpus():
+            if g.index == index:
+                return g
+        raise ClaimError(f"GPU {index} is not on this node any more")
+
+    def make(self, device: NodeDevice) -> tuple[NodeDevice, list]:
+        """The MIG device of a partition (agent.nvml.partitions.create), its capability nodes
+        made where missing (as nvidia-modprobe makes them)."""
+        profile_id, start, size = device.partition
+        try:
+            made = partitions.create(self._gpu(device.index), profile_id, start, size)
+            for cap in made.caps:
+                ensure_cap_node(self.dev_root, self.driver_root, cap)
+        except AgentError as exc:
+            raise ClaimError(f"cannot make the MIG device of GPU {device.index} at memory "
+                             f"slice {start}: {exc}") from None
+        nodes = device.nodes + tuple((c, os.path.join(self.dev_root, c.lstrip("/")))
+                                     for c in made.caps)
+        return (device._replace(uuid=made.uuid, nodes=nodes, partition=()),
+                [device.index, made.gi, made.ci, made.uuid])
+
+    def unmake(self, made: list) -> None:
+        index, gi, ci = made[:3]
+        try:
+            partitions.destroy(self._gpu(index), gi, ci)
+        except AgentError as exc:
+            raise ClaimError(f"cannot destroy MIG device {made[3]} of GPU {index}: {exc}") \
+                from None
 
     def timeslice(self, uuid: str, interval: int) -> None:
         import subprocess
@@ -217,24 +264,33 @@ class _Sharer(Sharer):
         return self._mps(plan)
 
 
-def _shareable(gpus: list, named: Collection[str]) -> set[str]:
-    """The UUIDs of the GPUs agent.draSharedGpus names (index, UUID or all); a name that is
-    no GPU of this node is logged."""
+def _named(gpus: list, named: Collection[str], key: str) -> set[str]:
+    """The UUIDs of the GPUs `named` names (index, UUID or all); a name that is no GPU of this
+    node is logged."""
     out = {g.uuid for g in gpus if "all" in named or g.uuid in named or str(g.index) in named}
     known = {"all"} | {g.uuid for g in gpus} | {str(g.index) for g in gpus}
     for name in sorted(set(named) - known):
-        log.warning("agent.draSharedGpus: %s is no GPU of this node", name)
+        log.warning("%s: %s is no GPU of this node", key, name)
     return out
 
 
-def _read(gpus: list, dev_root: str, shareable: Collection[str] = ()
-          ) -> tuple[list[dict], dict[str, NodeDevice]]:
-    """(the devices to publish, what the claims see of them) of `gpus` (NvmlError when NVML
-    cannot say); `shareable`: the UUIDs of the GPUs shared by consumable capacity."""
+def _read(gpus: list, dev_root: str, shareable: Collection[str] = (),
+          dynamic: Collection[str] = ()
+          ) -> tuple[list[dict], dict[str, dict], dict[str, NodeDevice]]:
+    """(the devices to publish, the slices beside them, what the claims see of the devices)
+    of `gpus` (NvmlError when NVML cannot say); `shareable`: the UUIDs of the GPUs shared by
+    consumable capacity; `dynamic`: of those partitioned on demand (MIG-enabled ones: their
+    MIG devices are the claims', not published as they stand)."""
     info = driver.driver_info()
     shared = {g.uuid: slices.gpu_attributes(g, identity.gpu_identity(g), info,
                                             slices.pcie_root(g.short_bus_id)) for g in gpus}
-    migs = [(m, identity.mig_placement(m)) for m in mig.read_mig_devices(gpus)]
+    partitioned = [g for g in gpus if g.mig_enabled and g.uuid in dynamic]
+    for g in gpus:
+        if g.uuid in dynamic and not g.mig_enabled:
+            log.warning("agent.draDynamicMig: GPU %d is not in MIG mode: published whole",
+                        g.index)
+    migs = [(m, identity.mig_placement(m)) for m in mig.read_mig_devices(
+        [g for g in gpus if g not in partitioned])]
     devices = slices.node_devices(gpus, migs, shared, shareable)
 
     def nodes(*paths: str) -> tuple[tuple[str, str], ...]:
@@ -249,4 +305,19 @@ def _read(gpus: list, dev_root: str, shareable: Collection[str] = ()
         seen[slices.mig_device(m, p, {})["name"]] = NodeDevice(
             m.uuid, nodes(f"/dev/nvidia{m.parent.minor}", *m.caps), "mig", p.memory_mb << 20,
             m.parent.index)
-    return devices, seen
+    more: dict[str, dict] = {}
+    counters = []
+    for g in sorted(partitioned, key=lambda g: g.index):
+        possible, memory_slices = partitions.possible(g)
+        compute = max((p.slices for p in possible), default=0)
+        counters.append(slices.counter_set(g, memory_slices, compute))
+        parts = [slices.partition_device(g, p.profile, p.placement, p.slices, shared[g.uuid])
+                 for p in possible]
+        more[f"gpu-{g.minor}"] = {"devices": sorted(parts, key=lambda d: d["name"])}
+        for p, d in zip(possible, parts):
+            seen[d["name"]] = NodeDevice(
+                g.uuid, nodes(f"/dev/nvidia{g.minor}"), "mig", p.placement.memory_mb << 20,
+                g.index, (p.placement.profile_id, p.placement.start, p.placement.size))
+    if counters:
+        more["counters"] = {"counters": counters}
+    return devices, more, seen

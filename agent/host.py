@@ -12,6 +12,7 @@ a host whose /proc is elsewhere). Must not import anything of
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from agent.errors import AgentError
@@ -65,3 +66,25 @@ def mig_minors(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         if name and minor.isdigit():
             out[name] = int(minor)
     return out
+
+
+def ensure_cap_node(dev_root: str, driver_root: str, path: str) -> None:
+    """Make MIG capability node `path` (/dev/nvidia-caps/nvidia-cap<minor>) under `dev_root`
+    when it is missing, as nvidia-modprobe -f does for a GPU or compute instance made after
+    boot: a character device of the driver's nvidia-caps major (its /proc/devices, under
+    `driver_root`), mode 0444 as the driver's DeviceFileMode for an access file."""
+    host = os.path.join(dev_root, path.lstrip("/"))
+    if os.path.exists(host):
+        return
+    minor = int(path.rsplit("nvidia-cap", 1)[1])
+    devices = os.path.join(driver_root, "proc/devices")
+    try:
+        with open(devices, encoding="ascii", errors="replace") as f:
+            major = next(int(n) for n, name in (line.split(None, 1) for line in f
+                                                if len(line.split()) == 2)
+                         if name.strip() == "nvidia-caps" and n.isdigit())
+        os.makedirs(os.path.dirname(host), exist_ok=True)
+        os.mknod(host, 0o444 | stat.S_IFCHR, os.makedev(major, minor))
+    except (OSError, StopIteration) as exc:
+        raise AgentError(f"cannot make MIG capability node {host} (the nvidia-caps major in "
+                         f"{devices}): {exc or 'not listed'}") from None

@@ -283,6 +283,10 @@ class KubeApi:
                                         "has been modified; please apply your changes to the "
                                         "latest version and try again", "reason": "Conflict"}
             return 200, self._store(name, body)
+        if method == "DELETE" and rest:
+            if self.slices.pop(name, None) is None:
+                return 404, {"message": f'resourceslices.resource.k8s.io "{name}" not found'}
+            return 200, {"kind": "Status", "status": "Success"}
         return 405, {"message": f"{method} resourceslices: not served here"}
 
     def _store(self, name: str, body: dict) -> dict:

@@ -123,6 +123,7 @@ PRECEDENCE = {
     "dra_reboot_taint": ("NoSchedule", "NoExecute", "NoSchedule",
                          ("NoSchedule", "NoExecute", "NoSchedule")),
     "dra_shared_gpus": (["0", "GPU-1"], "all", "2,3", (("0", "GPU-1"), ("all",), ("2", "3"))),
+    "dra_dynamic_mig": ([1], "all", "GPU-2", (("1",), ("all",), ("GPU-2",))),
     "kubelet_dir": ("/srv/kubelet", "/env/kubelet", "/flag/kubelet",
                     ("/srv/kubelet", "/env/kubelet", "/flag/kubelet")),
     "mig_strategy": ("single", "mixed", "single", ("single", "mixed", "single")),

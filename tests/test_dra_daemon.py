@@ -22,7 +22,7 @@ from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent
-from tests.daemon_harness import Node
+from tests.daemon_harness import LIB, Node
 from tests.kube_api import KubeApi
 
 NODE = "gpu-node-1"
@@ -239,3 +239,73 @@ def test_status_metrics_and_doctor_cover_dra_mode(node):
     for check in ("kubelet.socket", "kubelet.allocatable", "kubelet.registration"):
         assert checks[check]["status"] == "skip", checks[check]
     assert agent.alive()
+
+
+def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tmp_path):
+    """KEP-4815, agent.draDynamicMig: GPU 2 of h100-mig (MIG enabled, no instance) published
+    as every placement of every profile, consuming the memory slices of its placement from
+    the GPU's counter set (a slice of its own, all of one pool generation); a claim for one
+    gets its MIG device made at prepare (NVML shows it), destroyed at unprepare."""
+    import subprocess
+    import sys
+
+    with Node("h100-mig") as node:
+        control.append_record(node.ctl, "mig gpu=2 mode=enabled")
+        api = KubeApi(NODE)
+        api.kubeconfig(node.kubeconfig)
+        agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
+                           "--kubelet-dir", node.root, "--mode", "dra",
+                           "--dra-dynamic-mig", "2")
+        gpu = load_profile("h100-mig")["gpus"][2]
+        parts_slice, counters_slice = f"{SLICE}-gpu-{gpu['minor']}", f"{SLICE}-counters"
+        api.wait(lambda: parts_slice in api.slices and counters_slice in api.slices,
+                 "the partitions' and the counters' slices")
+        [counter_set] = api.slices[counters_slice]["spec"]["sharedCounters"]
+        assert counter_set["name"] == f"gpu-{gpu['minor']}-counter-set"
+        assert "devices" not in api.slices[counters_slice]["spec"]
+        pools = {s["spec"]["pool"]["generation"] for s in api.slices.values()}
+        assert len(pools) == 1 and all(s["spec"]["pool"]["resourceSliceCount"] == 3
+                                       for s in api.slices.values())
+        parts = {d["name"]: d for d in api.slices[parts_slice]["spec"]["devices"]}
+        assert len(parts) == 25  # nvidia-smi mig -lgipp on an H100 80GB: 25 placements
+        one = parts[f"gpu-{gpu['minor']}-mig-1g10gb-19-3"]
+        assert one["consumesCounters"] == [{"counterSet": counter_set["name"], "counters": {
+            "memory-slice-3": {"value": "1"}, "compute-slices": {"value": "1"}}}]
+        assert "uuid" not in one["attributes"]
+        static = [d["name"] for d in api.slices[SLICE]["spec"]["devices"]]
+        assert not any(n.startswith(f"gpu-{gpu['minor']}-") for n in static)
+
+        api.claims[("ml", "slice")] = {
+            "metadata": {"namespace": "ml", "name": "slice", "uid": "u-1"},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "mig", "driver": "gpu.nvidia.com", "pool": NODE,
+                 "device": f"gpu-{gpu['minor']}-mig-1g10gb-19-3"}]}}}}
+        dra_sock = node.path("plugins/gpu.nvidia.com/dra.sock")
+        claim = v1.Claim(namespace="ml", uid="u-1", name="slice")
+        with _channel(dra_sock) as ch:
+            out = v1_grpc.DRAPluginStub(ch).NodePrepareResources(
+                v1.NodePrepareResourcesRequest(claims=[claim]), timeout=30)
+        assert out.claims["u-1"].error == ""
+        cdi = json.loads(open(node.path("cdi/k8s.gpu.nvidia.com-claim_u-1.json")).read())
+        [uuid] = cdi["containerEdits"]["env"][0].removeprefix("NVIDIA_VISIBLE_DEVICES=").split(",")
+        probe = "\n".join([
+            "import pynvml", "pynvml.nvmlInit()", "h = pynvml.nvmlDeviceGetHandleByIndex(2)",
+            "for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):",
+            "    try:", "        m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)",
+            "    except pynvml.NVMLError_NotFound:", "        continue",
+            "    print(pynvml.nvmlDeviceGetUUID(m))"])
+
+        def migs_seen_by_another_process() -> list[str]:
+            run = subprocess.run([sys.executable, "-c", probe], env={**node.env(),
+                                 "LD_LIBRARY_PATH": os.path.dirname(LIB)},
+                                 capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            return [line for line in run.stdout.split() if line.startswith("MIG-")]
+
+        assert uuid.startswith("MIG-") and migs_seen_by_another_process() == [uuid]
+        with _channel(dra_sock) as ch:
+            out = v1_grpc.DRAPluginStub(ch).NodeUnprepareResources(
+                v1.NodeUnprepareResourcesRequest(claims=[claim]), timeout=30)
+        assert out.claims["u-1"].error == ""
+        assert migs_seen_by_another_process() == []
+        assert agent.stop() == 0

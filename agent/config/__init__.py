@@ -84,6 +84,7 @@ class Config(NamedTuple):
     kubelet_dir: str
     dra_reboot_taint: str
     dra_shared_gpus: tuple[str, ...]
+    dra_dynamic_mig: tuple[str, ...]
     mig_strategy: str
     fail_on_init_error: bool
     driver_root: str

@@ -227,6 +227,7 @@ SCHEMA: dict = {
         "kubeletDir": OPTION,
         "draRebootTaint": OPTION,
         "draSharedGpus": OPTION,
+        "draDynamicMig": OPTION,
         "mpsControl": OPTION,
         "cdiSpecDirs": OPTION,
         "devCharSymlinks": OPTION,

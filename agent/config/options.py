@@ -129,6 +129,15 @@ OPTIONS: tuple[Option, ...] = (
         default_text="none",
     ),
     Option(
+        "dra_dynamic_mig", "--dra-dynamic-mig", "GPU_AGENT_DRA_DYNAMIC_MIG",
+        "agent.draDynamicMig", GpuListKind(), (),
+        "in dra mode, the MIG-enabled GPUs (indexes or UUIDs, or `all`) partitioned on demand "
+        "(KEP-4815, Kubernetes 1.36+): every placement of every MIG profile published, the "
+        "MIG device made at prepare and destroyed at unprepare; their instances are the "
+        "agent's to make",
+        default_text="none",
+    ),
+    Option(
         "mig_strategy", "--mig-strategy", "MIG_STRATEGY", "flags.migStrategy",
         ChoiceKind(*MIG_STRATEGIES), DEFAULT_MIG_STRATEGY,
         "how MIG devices on MIG-enabled GPUs are exposed",

@@ -62,11 +62,12 @@ class NodeDevice(NamedTuple):
     (path in the container, path on the host: under the device root), its type (the slice's
     `type`: gpu or mig), its memory in bytes, and its GPU's index."""
 
-    uuid: str
+    uuid: str  # of a partition: its GPU's, until it is made
     nodes: tuple[tuple[str, str], ...]
     kind: str = "gpu"
     memory: int = 0
     index: int = -1
+    partition: tuple[int, int, int] = ()  # made at prepare: (GI profile ID, start, size)
 
 
 class Sharer:
@@ -82,6 +83,14 @@ class Sharer:
 
     def mps(self, plan: dict) -> dict[str, str]:
         raise ClaimError("MPS is not available here")
+
+    def make(self, device: NodeDevice) -> tuple[NodeDevice, list]:
+        """Partition `device` made: it as made (its UUID, its capability nodes added) and what
+        `unmake` takes to remove it."""
+        raise ClaimError("MIG devices cannot be made here")
+
+    def unmake(self, made: list) -> None:
+        raise ClaimError("MIG devices cannot be removed here")
 
 
 def spec_path(cdi_dir: str, uid: str) -> str:
@@ -124,26 +133,60 @@ class Claims:
             known = self.devices()
             where = f"claim {claim.namespace}/{claim.name}"
             shares = sharing.shares(results, configs, known, where)
-            spec = spec_path(self.cdi_dir, claim.uid)
-            answer = [Prepared((r["request"],), r["pool"], r["device"],
-                               (f"{CDI_KIND}={cdi_name(claim.uid, r['device'], s.share_id)}",),
-                               s.share_id)
-                      for r, s in zip(results, shares)]
-            record = [claim.namespace, claim.name,
-                      [[list(p.requests), p.pool, p.device, list(p.cdi_ids)] for p in answer],
-                      spec, pods, [s.record() for s in shares]]
-            self._share(results, shares, known, {**self.prepared, claim.uid: record})
-            self._write_spec(claim.uid, spec, results, shares)
+            for r, s in zip(results, shares):
+                if known[r["device"]].partition and s.strategy == MPS:
+                    raise ClaimError(f"{where}: MPS on {r['device']}, a MIG device made at "
+                                     f"prepare, is not supported (nor by NVIDIA's DynamicMIG)")
+            devices, made = self._make(results, known)
             try:
-                self._save({**self.prepared, claim.uid: record})
-            except StateError:
-                _remove(spec)  # not recorded: not prepared either
-                self.sync_mps()
+                return self._prepare(claim, results, pods, shares, devices, made)
+            except Exception:
+                for m in made:
+                    if m:
+                        self.sharer.unmake(m)  # not prepared: nothing left made
                 raise
-            log.info("claim %s/%s (%s) prepared: %s", claim.namespace, claim.name, claim.uid,
-                     ", ".join(p.device + (f" ({s.strategy})" if s.strategy else "")
-                               for p, s in zip(answer, shares)))
-            return answer
+
+    def _make(self, results: list[dict], known: Mapping[str, NodeDevice]
+              ) -> tuple[dict[str, NodeDevice], list[list]]:
+        """The claim's devices, its partitions made (what unmake takes, per result)."""
+        devices, made = dict(known), []
+        try:
+            for r in results:
+                if known[r["device"]].partition:
+                    devices[r["device"]], m = self.sharer.make(known[r["device"]])
+                    made.append(m)
+                else:
+                    made.append([])
+        except Exception:
+            for m in made:
+                if m:
+                    self.sharer.unmake(m)
+            raise
+        return devices, made
+
+    def _prepare(self, claim: ClaimRef, results: list[dict], pods: list[str],
+                 shares: list[Share], known: Mapping[str, NodeDevice], made: list[list]
+                 ) -> list[Prepared]:
+        spec = spec_path(self.cdi_dir, claim.uid)
+        answer = [Prepared((r["request"],), r["pool"], r["device"],
+                           (f"{CDI_KIND}={cdi_name(claim.uid, r['device'], s.share_id)}",),
+                           s.share_id)
+                  for r, s in zip(results, shares)]
+        record = [claim.namespace, claim.name,
+                  [[list(p.requests), p.pool, p.device, list(p.cdi_ids)] for p in answer],
+                  spec, pods, [s.record() for s in shares], made]
+        self._share(results, shares, known, {**self.prepared, claim.uid: record})
+        self._write_spec(claim.uid, spec, results, shares, known)
+        try:
+            self._save({**self.prepared, claim.uid: record})
+        except StateError:
+            _remove(spec)  # not recorded: not prepared either
+            self.sync_mps()
+            raise
+        log.info("claim %s/%s (%s) prepared: %s", claim.namespace, claim.name, claim.uid,
+                 ", ".join(p.device + (f" ({s.strategy})" if s.strategy else "")
+                           for p, s in zip(answer, shares)))
+        return answer
 
     def _share(self, results: list[dict], shares: list[Share], known: Mapping[str, NodeDevice],
                prepared: dict[str, list]) -> None:
@@ -207,9 +250,8 @@ class Claims:
                 if r.get("resource") == "pods"]
         return ours, pods, configs
 
-    def _write_spec(self, uid: str, path: str, results: list[dict], shares: list[Share]
-                    ) -> None:
-        known = self.devices()
+    def _write_spec(self, uid: str, path: str, results: list[dict], shares: list[Share],
+                    known: Mapping[str, NodeDevice]) -> None:
         spec = {
             "cdiVersion": CDI_VERSION,
             "kind": CDI_KIND,
@@ -274,6 +316,9 @@ class Claims:
             except OSError as exc:
                 raise ClaimError(f"cannot remove the claim's CDI spec {held[3]}: {exc}") \
                     from None
+            for m in held[6] if len(held) > 6 else ():
+                if m:
+                    self.sharer.unmake(m)  # failing: kubelet calls again
             self._save({k: v for k, v in self.prepared.items() if k != claim.uid})
             log.info("claim %s/%s (%s) unprepared", claim.namespace, claim.name, claim.uid)
             if any(share.strategy == MPS for share in _shares(held)):
@@ -298,9 +343,9 @@ class Claims:
         try:
             prepared = msgpack.unpackb(raw, raw=False)
             if not isinstance(prepared, dict) or not all(
-                    isinstance(v, list) and len(v) in (4, 5, 6) for v in prepared.values()):
+                    isinstance(v, list) and 4 <= len(v) <= 7 for v in prepared.values()):
                 raise ValueError("not a map of claim UID to [namespace, name, devices, spec, "
-                                 "pods, shares]")
+                                 "pods, shares, made]")
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             aside = f"{self.path}.bad-{int(time.time())}"
             os.replace(self.path, aside)

@@ -17,7 +17,11 @@ so that DeviceClasses, ResourceClaimTemplates and CEL selectors written for NVID
   capacities, plus `memorySlice<i>: 1` for each memory slice it holds (deviceinfo.go:209-232);
   a GPU in MIG mode publishes its MIG devices only;
 - a GPU named in agent.draSharedGpus is shareable (`gpu_device`): gpu-agent's own, as
-  NVIDIA's driver has no consumable capacity.
+  NVIDIA's driver has no consumable capacity;
+- a MIG-enabled GPU named in agent.draDynamicMig is partitioned on demand (KEP-4815): each
+  placement of each profile a device (`partition_device`, named as the MIG device it
+  becomes), consuming counters of the GPU's counter set (`counter_set`), as NVIDIA's
+  DynamicMIG mode publishes (partitions.go); the counters go in a slice of their own.
 
 Versions are written as Masterminds semver writes them ("9.0" -> "9.0.0", "570.124.06" ->
 "570.124.6"), quantities as Kubernetes writes a binary-SI quantity ("81559Mi").
@@ -42,6 +46,7 @@ PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 MEMORY = "memory"
 CORES = "cores"
 MIN_SHARE_MEMORY = 1 << 30
+COMPUTE_SLICES = "compute-slices"  # the counter of a partitioned GPU's compute slices
 
 _BINARY_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
 
@@ -178,26 +183,62 @@ def gpu_device(gpu: Any, shared: dict, shareable: bool = False) -> dict:
     return device
 
 
-def mig_device(mig: Any, placement: Any, parent_shared: dict) -> dict:
-    """The device of a MIG device (agent.nvml.mig.MigDevice) in its GPU instance
-    (agent.nvml.identity.MigPlacement); `parent_shared`: its GPU's gpu_attributes."""
-    p = placement
-    name = (f"gpu-{mig.parent.minor}-mig-{_rfc1123(mig.profile.replace('.', ''))}-"
-            f"{p.profile_id}-{p.start}")
-    capacity = {
+def _mig_name(parent_minor: int, profile: str, p: Any) -> str:
+    return f"gpu-{parent_minor}-mig-{_rfc1123(profile.replace('.', ''))}-{p.profile_id}-{p.start}"
+
+
+def _mig_capacity(p: Any) -> dict:
+    return _capacity({
         "multiprocessors": p.multiprocessors, "copyEngines": p.copy_engines,
         "decoders": p.decoders, "encoders": p.encoders, "jpegEngines": p.jpegs,
         "ofaEngines": p.ofas, "memory": p.memory_mb << 20,
         **{f"memorySlice{i}": 1 for i in range(p.start, p.start + p.size)},
-    }
+    })
+
+
+def mig_device(mig: Any, placement: Any, parent_shared: dict) -> dict:
+    """The device of a MIG device (agent.nvml.mig.MigDevice) in its GPU instance
+    (agent.nvml.identity.MigPlacement); `parent_shared`: its GPU's gpu_attributes."""
     return {
-        "name": name,
+        "name": _mig_name(mig.parent.minor, mig.profile, placement),
         "attributes": {
             "type": _string("mig"), "uuid": _string(mig.uuid),
             "parentUUID": _string(mig.parent.uuid), "profile": _string(mig.profile),
             **parent_shared,
         },
-        "capacity": _capacity(capacity),
+        "capacity": _mig_capacity(placement),
+    }
+
+
+def counter_set_name(gpu: Any) -> str:
+    return f"gpu-{gpu.minor}-counter-set"  # NVIDIA's name (partitions.go:62-63)
+
+
+def counter_set(gpu: Any, memory_slices: int, compute_slices: int) -> dict:
+    """The shared counters of a GPU partitioned on demand (KEP-4815): one per memory slice
+    (`memory-slice-<i>`, NVIDIA's names, partitions.go:246-247) and its compute slices."""
+    return {"name": counter_set_name(gpu), "counters": {
+        **{f"memory-slice-{i}": {"value": "1"} for i in range(memory_slices)},
+        COMPUTE_SLICES: {"value": str(compute_slices)}}}
+
+
+def partition_device(gpu: Any, profile: str, placement: Any, compute_slices: int,
+                     parent_shared: dict) -> dict:
+    """A MIG device GPU `gpu` can be given at prepare (agent.nvml.partitions.Partition): named,
+    typed and sized as the MIG device it becomes, with no UUID yet, consuming the memory
+    slices of its placement and its compute slices from the GPU's counter set, so that the
+    scheduler never gives two claims overlapping placements."""
+    return {
+        "name": _mig_name(gpu.minor, profile, placement),
+        "attributes": {
+            "type": _string("mig"), "parentUUID": _string(gpu.uuid),
+            "profile": _string(profile), **parent_shared,
+        },
+        "capacity": _mig_capacity(placement),
+        "consumesCounters": [{"counterSet": counter_set_name(gpu), "counters": {
+            **{f"memory-slice-{i}": {"value": "1"}
+               for i in range(placement.start, placement.start + placement.size)},
+            COMPUTE_SLICES: {"value": str(compute_slices)}}}],
     }
 
 
@@ -235,11 +276,18 @@ def with_taints(devices: list[dict], taints: dict[str, tuple[str, str, str]]) ->
             if d["name"] in taints else d for d in devices]
 
 
-def slice_spec(node: str, devices: list[dict], generation: int) -> dict:
-    """The spec of this node's one ResourceSlice (its pool named after the node)."""
-    return {
+def slice_spec(node: str, devices: list[dict] | None, generation: int, count: int = 1,
+               counters: list[dict] | None = None) -> dict:
+    """The spec of one of this node's `count` ResourceSlices (its pool named after the node):
+    its devices, or (a GPU partitioned on demand, KEP-4815) the shared counters, as 1.36+
+    API servers take them: a slice holds one or the other."""
+    spec = {
         "driver": DRIVER,
         "nodeName": node,
-        "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": devices,
+        "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
     }
+    if counters is not None:
+        spec["sharedCounters"] = counters
+    else:
+        spec["devices"] = devices or []
+    return spec
