@@ -471,3 +471,79 @@ def test_claims_of_20gi_share_one_80gb_gpu_by_capacity_and_one_more_of_30gi_wait
     _pod_with_claim(node, dra, "share-3", "share-3", selector=shareable,
                     capacity={"memory": "30Gi"})
     node.wait_unschedulable("share-3")
+
+
+def _mig_uuids_by_nvml(node, profile: str, index: int) -> list[str]:
+    """The MIG devices of GPU `index` as another process reads them through the simulated
+    NVML of the node (the agent's control log)."""
+    import subprocess
+    import sys
+
+    from agent.sim import lib_path
+    from tests.e2e.cluster import profile_path
+
+    probe = "\n".join([
+        "import pynvml", "pynvml.nvmlInit()", f"h = pynvml.nvmlDeviceGetHandleByIndex({index})",
+        "for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):",
+        "    try:", "        m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)",
+        "    except pynvml.NVMLError_NotFound:", "        continue",
+        "    print(pynvml.nvmlDeviceGetUUID(m))"])
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "LD_LIBRARY_PATH": str(lib_path().parent),
+                                          "GPU_AGENT_SIM_PROFILE": str(profile_path(profile)),
+                                          "GPU_AGENT_SIM_CONTROL": node.cluster.path(
+                                              f"simctl-{profile}")})
+    assert run.returncode == 0, run.stderr
+    return sorted(line for line in run.stdout.split() if line.startswith("MIG-"))
+
+
+def test_mig_devices_are_made_at_prepare_without_overlap_and_destroyed_at_unprepare(
+        node, dra, k8s_version):
+    """KEP-4815 (DRAPartitionableDevices, beta from 1.36), agent.draDynamicMig: GPU 2 of
+    h100-mig, MIG enabled with no instance, published as its placements; two claims for
+    1g.10gb get two placements, each a MIG device made at prepare (NVML lists it; the
+    container gets it and its capability nodes); a claim for 7g.80gb, which overlaps them,
+    waits; once the two pods go their MIG devices are destroyed and the 7g.80gb one runs."""
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
+        pytest.skip(f"partitionable devices are alpha in {k8s_version} (gate "
+                    f"DRAPartitionableDevices, off here; counters beside their devices): "
+                    f"beta from 1.36")
+    profile = "h100-mig"
+    gpu = profile_gpus(profile)[2]
+    ctl = node.cluster.path(f"simctl-{profile}")
+    os.makedirs(ctl, exist_ok=True)
+    control.append_record(ctl, "mig gpu=2 mode=enabled")
+    _dra_agent(node, dra, "--dra-dynamic-mig", "2", profile=profile)
+
+    def mig_claim(name: str, mig_profile: str) -> None:
+        body = resource_claim(name, selector=(
+            f"device.attributes['{DRIVER}'].profile == '{mig_profile}' && "
+            f"device.attributes['{DRIVER}'].parentUUID == '{gpu['uuid']}'"))
+        body["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "mig.nvidia.com"
+        dra(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims", body)
+        node.create_pod_with_claim(name, name)
+
+    start = time.monotonic()
+    for name in ("mig-a", "mig-b"):
+        mig_claim(name, "1g.10gb")
+    for name in ("mig-a", "mig-b"):
+        node.wait_running(name)
+    write_result(node.results, "dra_two_mig_pods_made_at_prepare_to_running_s",
+                 round(time.monotonic() - start, 3))
+    devices = [node.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/{n}")["status"][
+        "allocation"]["devices"]["results"][0]["device"] for n in ("mig-a", "mig-b")]
+    assert len(set(devices)) == 2 and all(d.startswith(f"gpu-{gpu['minor']}-mig-1g10gb-19-")
+                                          for d in devices), devices
+    made = _mig_uuids_by_nvml(node, profile, 2)
+    seen = {n: node.seen(n) for n in ("mig-a", "mig-b")}
+    assert sorted(s.env["NVIDIA_VISIBLE_DEVICES"] for s in seen.values()) == made
+    assert all(len(s.caps) == 2 and s.nodes == {f"nvidia{gpu['minor']}"}
+               for s in seen.values()), [s.raw for s in seen.values()]
+
+    mig_claim("mig-whole", "7g.80gb")
+    node.wait_unschedulable("mig-whole")
+    node.delete_pods("mig-a", "mig-b")
+    node.wait_running("mig-whole", timeout=120)
+    [whole] = _mig_uuids_by_nvml(node, profile, 2)
+    assert whole not in made
+    assert node.seen("mig-whole").env["NVIDIA_VISIBLE_DEVICES"] == whole
