@@ -390,3 +390,21 @@ def first_snapshot(node: Node, resource: str = GPU) -> object:
 def unhealthy(snapshot) -> set[str]:
     """The IDs a ListAndWatch snapshot advertises as not Healthy."""
     return {d.id for d in snapshot.devices if d.health != "Healthy"}
+
+
+def mig_uuids_by_nvml(env: dict, index: int) -> list[str]:
+    """The MIG devices of GPU `index` as another process reads them through the simulated
+    NVML (`env`: its profile and control log, GPU_AGENT_SIM_*), sorted."""
+    import subprocess
+    import sys
+
+    probe = "\n".join([
+        "import pynvml", "pynvml.nvmlInit()", f"h = pynvml.nvmlDeviceGetHandleByIndex({index})",
+        "for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):",
+        "    try:", "        m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)",
+        "    except pynvml.NVMLError_NotFound:", "        continue",
+        "    print(pynvml.nvmlDeviceGetUUID(m))"])
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, env={**env, "LD_LIBRARY_PATH": os.path.dirname(LIB)})
+    assert run.returncode == 0, run.stderr
+    return sorted(line for line in run.stdout.split() if line.startswith("MIG-"))

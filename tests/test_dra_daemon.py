@@ -22,7 +22,7 @@ from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent
-from tests.daemon_harness import LIB, Node
+from tests.daemon_harness import Node, mig_uuids_by_nvml
 from tests.kube_api import KubeApi
 
 NODE = "gpu-node-1"
@@ -246,9 +246,6 @@ def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tm
     as every placement of every profile, consuming the memory slices of its placement from
     the GPU's counter set (a slice of its own, all of one pool generation); a claim for one
     gets its MIG device made at prepare (NVML shows it), destroyed at unprepare."""
-    import subprocess
-    import sys
-
     with Node("h100-mig") as node:
         control.append_record(node.ctl, "mig gpu=2 mode=enabled")
         api = KubeApi(NODE)
@@ -288,19 +285,8 @@ def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tm
         assert out.claims["u-1"].error == ""
         cdi = json.loads(open(node.path("cdi/k8s.gpu.nvidia.com-claim_u-1.json")).read())
         [uuid] = cdi["containerEdits"]["env"][0].removeprefix("NVIDIA_VISIBLE_DEVICES=").split(",")
-        probe = "\n".join([
-            "import pynvml", "pynvml.nvmlInit()", "h = pynvml.nvmlDeviceGetHandleByIndex(2)",
-            "for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):",
-            "    try:", "        m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)",
-            "    except pynvml.NVMLError_NotFound:", "        continue",
-            "    print(pynvml.nvmlDeviceGetUUID(m))"])
-
         def migs_seen_by_another_process() -> list[str]:
-            run = subprocess.run([sys.executable, "-c", probe], env={**node.env(),
-                                 "LD_LIBRARY_PATH": os.path.dirname(LIB)},
-                                 capture_output=True, text=True, timeout=60)
-            assert run.returncode == 0, run.stderr
-            return [line for line in run.stdout.split() if line.startswith("MIG-")]
+            return mig_uuids_by_nvml(node.env(), 2)
 
         assert uuid.startswith("MIG-") and migs_seen_by_another_process() == [uuid]
         with _channel(dra_sock) as ch:

@@ -476,25 +476,12 @@ def test_claims_of_20gi_share_one_80gb_gpu_by_capacity_and_one_more_of_30gi_wait
 def _mig_uuids_by_nvml(node, profile: str, index: int) -> list[str]:
     """The MIG devices of GPU `index` as another process reads them through the simulated
     NVML of the node (the agent's control log)."""
-    import subprocess
-    import sys
-
-    from agent.sim import lib_path
+    from tests.daemon_harness import clean_env, mig_uuids_by_nvml
     from tests.e2e.cluster import profile_path
 
-    probe = "\n".join([
-        "import pynvml", "pynvml.nvmlInit()", f"h = pynvml.nvmlDeviceGetHandleByIndex({index})",
-        "for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):",
-        "    try:", "        m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)",
-        "    except pynvml.NVMLError_NotFound:", "        continue",
-        "    print(pynvml.nvmlDeviceGetUUID(m))"])
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "LD_LIBRARY_PATH": str(lib_path().parent),
-                                          "GPU_AGENT_SIM_PROFILE": str(profile_path(profile)),
-                                          "GPU_AGENT_SIM_CONTROL": node.cluster.path(
-                                              f"simctl-{profile}")})
-    assert run.returncode == 0, run.stderr
-    return sorted(line for line in run.stdout.split() if line.startswith("MIG-"))
+    return mig_uuids_by_nvml(clean_env(GPU_AGENT_SIM_PROFILE=str(profile_path(profile)),
+                                       GPU_AGENT_SIM_CONTROL=node.cluster.path(
+                                           f"simctl-{profile}")), index)
 
 
 def test_mig_devices_are_made_at_prepare_without_overlap_and_destroyed_at_unprepare(
