@@ -295,3 +295,29 @@ def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tm
         assert out.claims["u-1"].error == ""
         assert migs_seen_by_another_process() == []
         assert agent.stop() == 0
+
+
+def test_a_reload_makes_a_gpu_shareable_by_consumable_capacity(node):
+    """agent.draSharedGpus (KEP-5075) applied by a SIGHUP: GPU 0's device allows several
+    allocations, its memory and cores consumable with request policies (a claim naming no
+    memory takes all of it: the GPU whole), the other GPUs unchanged."""
+    api = KubeApi(NODE)
+    config = node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n")
+    agent = _start(node, api, "--config", config)
+    node.write("config.yaml", "version: v1\nagent:\n  mode: dra\n  draSharedGpus: [0]\n")
+    agent.send(signal.SIGHUP)
+
+    def device(minor: int) -> dict:
+        return next(d for d in api.slices[SLICE]["spec"]["devices"]
+                    if d["name"] == f"gpu-{minor}")
+
+    gpu0, gpu1 = GPUS[0], GPUS[1]
+    api.wait(lambda: device(gpu0["minor"]).get("allowMultipleAllocations"),
+             "GPU 0 shareable after the reload")
+    memory = device(gpu0["minor"])["capacity"]["memory"]
+    assert memory["requestPolicy"] == {"default": memory["value"],
+                                       "validRange": {"min": "1Gi"}}
+    assert device(gpu0["minor"])["capacity"]["cores"] == {"value": "100", "requestPolicy": {
+        "default": "0", "validRange": {"min": "0", "step": "1"}}}
+    assert "allowMultipleAllocations" not in device(gpu1["minor"])
+    assert agent.alive()

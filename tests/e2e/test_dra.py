@@ -336,16 +336,17 @@ def _wait_prepare_failed(node, pod: str, reason: str) -> str:
 
 
 def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
-    """A claim carrying an opaque config for gpu.nvidia.com the agent does not know, and one
+    """A claim carrying NVIDIA's GpuConfig with a value out of range (101 %), and one
     whose allocation names a device this node does not publish (written by hand into the
     claim's status, as a broken controller could): kubelet's event on each pod says why,
     nothing is prepared for them, and a good claim runs beside them."""
     agent, _ = _dra_agent(node, dra)
     claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
-    dra(claims, resource_claim("unknown-config", config=[
+    dra(claims, resource_claim("bad-config", config=[
         {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
-            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "NoSuchConfig"}}}]))
-    node.create_pod_with_claim("unknown-config", "unknown-config")
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {
+                "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 101}}}}}]))
+    node.create_pod_with_claim("bad-config", "bad-config")
 
     # a claim allocated by hand to gpu-99 of this node's pool and reserved for its pod, which
     # waits at a scheduling gate until then (kubelet's first attempt meets the whole claim)
@@ -366,10 +367,11 @@ def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
                      content_type="application/merge-patch+json")
 
     # the first line of the error the agent answers, as kubelet's event on the pod shows it
-    _wait_prepare_failed(node, "unknown-config",
-                         f"NodePrepareResources failed for ResourceClaim unknown-config: claim "
-                         f"{NS}/unknown-config: opaque config resource.nvidia.com/v1beta1 "
-                         f"NoSuchConfig for {DRIVER} is not supported")
+    _wait_prepare_failed(node, "bad-config",
+                         f"NodePrepareResources failed for ResourceClaim bad-config: claim "
+                         f"{NS}/bad-config: config[0] (from FromClaim) parameters.sharing."
+                         f"mpsConfig.defaultActiveThreadPercentage: 101: an active thread "
+                         f"percentage is an integer from 0 to 100")
     _wait_prepare_failed(node, "missing-device",
                          f"NodePrepareResources failed for ResourceClaim missing-device: claim "
                          f"{NS}/missing-device asks for device gpu-99 of pool {NODE}, which "
@@ -381,7 +383,7 @@ def test_bad_claims_fail_prepare_with_the_reason_in_the_pods_events(node, dra):
     node.wait_running("good")
     status = agent.status_when(lambda s: s["dra"]["preparedClaims"], "the good claim")
     assert status["dra"]["preparedClaims"] == [f"{NS}/good"]
-    for pod in ("unknown-config", "missing-device"):
+    for pod in ("bad-config", "missing-device"):
         assert node.pod(pod)["status"]["phase"] == "Pending"
 
 
