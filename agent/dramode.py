@@ -181,7 +181,8 @@ class DraMode:
 
     def status(self) -> dict:
         claims = self.claims.listing()
-        return {"driver": slices.DRIVER, "node": self.node, "devices": len(self.devices),
+        devices = len(self.devices) + sum(len(v.get("devices", ())) for v in self.more.values())
+        return {"driver": slices.DRIVER, "node": self.node, "devices": devices,
                 "tainted": {n: f"{r} ({effect})" for n, (r, _, effect) in
                             sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,

@@ -313,8 +313,11 @@ def format_status(doc: dict) -> str:
                         if r.get("tainted") else "")
                      + f"; {len(r['preparedClaims'])} claims prepared"
                      + "".join(f"\n  claim {c['namespace']}/{c['name']}: "
-                               f"{', '.join(c['devices'])} for pod "
-                               f"{', '.join(c['pods']) or '(none named)'}"
+                               + ", ".join(d + (f" ({how})" if how != "exclusive" else "")
+                                           for d, how in zip(c["devices"], c.get("sharing") or
+                                                             ["exclusive"] * len(c["devices"])))
+                               + " for pod "
+                               + (", ".join(c["pods"]) or "(none named)")
                                for c in r.get("claims") or []))
     if doc.get("cdi"):
         c = doc["cdi"]
