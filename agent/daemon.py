@@ -65,6 +65,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.mps = MpsDaemons(on_change=lambda: self.health and self.health.outages_changed())
         self._dra_plan: dict = {}  # the MPS daemons DRA mode's claims need (_dra_mps)
+        self._mps_lock = threading.Lock()  # one plan built and applied at a time
         self.registrar: Registrar | None = None
         self.dra: Any = None  # agent.mode dra: the DRA driver (agent.dramode.DraMode)
         self.cdi: Any = None  # the last CDI spec check, agent.rm.cdi.CdiCheck (cdi-* only)
@@ -142,16 +143,20 @@ class Daemon:
             return
         self._advertise(gpus, restart_health=True)
 
-    def _apply_mps(self) -> None:
-        """The MPS daemons: sharing.mps's and (dra mode) those the prepared claims need."""
-        self.mps.apply({**self.resources.mps, **self._dra_plan}, self.cfg.mps_control_program,
-                       self.cfg.mps_root_dir, self.environ)
+    def _apply_mps(self, dra_plan: dict | None = None) -> None:
+        """The MPS daemons: sharing.mps's and (dra mode) those the prepared claims need (from
+        the main loop and kubelet's calls alike: one at a time, so that a plan built earlier
+        is never applied after a later one)."""
+        with self._mps_lock:
+            if dra_plan is not None:
+                self._dra_plan = dict(dra_plan)
+            self.mps.apply({**self.resources.mps, **self._dra_plan},
+                           self.cfg.mps_control_program, self.cfg.mps_root_dir, self.environ)
 
     def _dra_mps(self, plan: dict) -> dict[str, str]:
         """From DRA mode's claims (a prepare, an unprepare, the start): the daemons they need
         now (UUID -> agent.rm.sharing.MpsGpu) run; returns those down, UUID -> why."""
-        self._dra_plan = dict(plan)
-        self._apply_mps()
+        self._apply_mps(plan)
         return {d["gpuUuid"]: d["reason"] or "not running" for d in self.mps.status()["daemons"]
                 if d["gpuUuid"] in plan and not d["running"]}
 

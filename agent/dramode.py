@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, Callable
 
 from agent.dra import slices
-from agent.dra.claims import Claims, NodeDevice, Sharer
+from agent.dra.claims import Claims, NodeActions, NodeDevice
 from agent.dra.plugin import DraPlugin
 from agent.dra.publisher import SlicePublisher
 from agent.errors import AgentError, ClaimError
@@ -63,7 +63,7 @@ class DraMode:
         self.node_devices: dict[str, NodeDevice] = {}
         self.claims = Claims(self.client, self.node, lambda: self.node_devices, cfg.state_dir,
                              cdi_dir=cfg.cdi_spec_dirs[-1], dev_root=cfg.dev_root or
-                             cfg.driver_root, sharer=_Sharer(cfg, mps, lambda: self.gpus))
+                             cfg.driver_root, actions=_NodeActions(cfg, mps, lambda: self.gpus))
         self.on_change = on_change
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
                                 on_change=self._plugin_changed)
@@ -198,17 +198,17 @@ class DraMode:
         self.client.close()
 
 
-class _Sharer(Sharer):
-    """Applying a claim's shares on this node: nvidia-smi under the driver root sets a time
+class _NodeActions(NodeActions):
+    """What preparing a claim does to this node: nvidia-smi under the driver root sets a time
     slice (as NVIDIA's driver: nvlib.go setComputeMode, setTimeSlice); `mps` is the daemon's
     (its MPS daemons, agent.mps.daemons, run those of device-plugin mode's sharing.mps and
-    those of the claims)."""
+    those of the claims); a partition's MIG device made and destroyed through NVML
+    (agent.nvml.partitions), its capability nodes made where missing (agent.host)."""
 
     def __init__(self, cfg: Any, mps: Callable[[dict], dict[str, str]] | None,
                  gpus: Callable[[], list]):
         self.mps_root = cfg.mps_root_dir
         self.nvidia_smi = os.path.join(cfg.driver_root, "usr/bin/nvidia-smi")
-        self.driver_root = cfg.driver_root
         self.dev_root = cfg.dev_root or cfg.driver_root
         self._mps = mps
         self._gpus = gpus
@@ -223,22 +223,27 @@ class _Sharer(Sharer):
         """The MIG device of a partition (agent.nvml.partitions.create), its capability nodes
         made where missing (as nvidia-modprobe makes them)."""
         profile_id, start, size = device.partition
+        gpu = self._gpu(device.index)
         try:
-            made = partitions.create(self._gpu(device.index), profile_id, start, size)
-            for cap in made.caps:
-                ensure_cap_node(self.dev_root, self.driver_root, cap)
+            made = partitions.create(gpu, profile_id, start, size)
         except AgentError as exc:
             raise ClaimError(f"cannot make the MIG device of GPU {device.index} at memory "
                              f"slice {start}: {exc}") from None
+        try:
+            for cap in made.caps:
+                ensure_cap_node(self.dev_root, cap)
+        except AgentError as exc:
+            partitions.destroy(gpu, made.gi, made.ci, made.uuid)
+            raise ClaimError(f"MIG device {made.uuid} of GPU {device.index}: {exc}") from None
         nodes = device.nodes + tuple((c, os.path.join(self.dev_root, c.lstrip("/")))
                                      for c in made.caps)
         return (device._replace(uuid=made.uuid, nodes=nodes, partition=()),
                 [device.index, made.gi, made.ci, made.uuid])
 
     def unmake(self, made: list) -> None:
-        index, gi, ci = made[:3]
+        index, gi, ci, uuid = made
         try:
-            partitions.destroy(self._gpu(index), gi, ci)
+            partitions.destroy(self._gpu(index), gi, ci, uuid)
         except AgentError as exc:
             raise ClaimError(f"cannot destroy MIG device {made[3]} of GPU {index}: {exc}") \
                 from None

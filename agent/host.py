@@ -2,10 +2,11 @@
 
 Owns: reading the kernel's boot ID (a random UUID the kernel draws at every boot), which the
 health module uses to tell that a reboot-class error has been cleared and the state module
-uses to tell a checkpoint written before the last reboot; and the minor numbers of the
-/dev/nvidia-caps nodes that give a container access to a MIG GPU or compute instance.
-`GPU_AGENT_BOOT_ID_FILE` and `GPU_AGENT_MIG_MINORS_FILE` point them at other files (tests, or
-a host whose /proc is elsewhere). Must not import anything of
+uses to tell a checkpoint written before the last reboot; the minor numbers of the
+/dev/nvidia-caps nodes that give a container access to a MIG GPU or compute instance, and
+making such a node where a MIG device made after boot lacks one (`ensure_cap_node`).
+`GPU_AGENT_BOOT_ID_FILE`, `GPU_AGENT_MIG_MINORS_FILE` and `GPU_AGENT_PROC_DEVICES_FILE` point
+them at other files (tests, or a host whose /proc is elsewhere). Must not import anything of
 `agent` but errors.
 """
 
@@ -68,23 +69,30 @@ def mig_minors(environ: Mapping[str, str] | None = None) -> dict[str, int]:
     return out
 
 
-def ensure_cap_node(dev_root: str, driver_root: str, path: str) -> None:
+PROC_DEVICES_FILE = "/proc/devices"
+PROC_DEVICES_ENV = "GPU_AGENT_PROC_DEVICES_FILE"
+
+
+def ensure_cap_node(dev_root: str, path: str, environ: Mapping[str, str] | None = None) -> None:
     """Make MIG capability node `path` (/dev/nvidia-caps/nvidia-cap<minor>) under `dev_root`
     when it is missing, as nvidia-modprobe -f does for a GPU or compute instance made after
-    boot: a character device of the driver's nvidia-caps major (its /proc/devices, under
-    `driver_root`), mode 0444 as the driver's DeviceFileMode for an access file."""
+    boot: a character device of the driver's nvidia-caps major (/proc/devices, or
+    $GPU_AGENT_PROC_DEVICES_FILE), mode 0444 as the driver's DeviceFileMode for an access
+    file. AgentError when it cannot."""
     host = os.path.join(dev_root, path.lstrip("/"))
     if os.path.exists(host):
         return
     minor = int(path.rsplit("nvidia-cap", 1)[1])
-    devices = os.path.join(driver_root, "proc/devices")
+    env = os.environ if environ is None else environ
+    devices = env.get(PROC_DEVICES_ENV) or PROC_DEVICES_FILE
     try:
         with open(devices, encoding="ascii", errors="replace") as f:
-            major = next(int(n) for n, name in (line.split(None, 1) for line in f
-                                                if len(line.split()) == 2)
-                         if name.strip() == "nvidia-caps" and n.isdigit())
+            majors = [line.split() for line in f]
+        major = next((int(m[0]) for m in majors if len(m) == 2 and m[1] == "nvidia-caps"
+                      and m[0].isdigit()), None)
+        if major is None:
+            raise AgentError(f"no nvidia-caps major in {devices}")
         os.makedirs(os.path.dirname(host), exist_ok=True)
         os.mknod(host, 0o444 | stat.S_IFCHR, os.makedev(major, minor))
-    except (OSError, StopIteration) as exc:
-        raise AgentError(f"cannot make MIG capability node {host} (the nvidia-caps major in "
-                         f"{devices}): {exc or 'not listed'}") from None
+    except OSError as exc:
+        raise AgentError(f"cannot make MIG capability node {host}: {exc}") from None

@@ -55,8 +55,8 @@ def env(tmp_path):
     state, cdi = str(tmp_path / "state"), str(tmp_path / "cdi")
     os.makedirs(state)
 
-    def claims(sharer=None):
-        return Claims(client, NODE, lambda: DEVICES, state, cdi, sharer=sharer)
+    def claims(actions=None):
+        return Claims(client, NODE, lambda: DEVICES, state, cdi, actions=actions)
 
     yield api, claims, cdi, state
     client.close()
@@ -181,8 +181,9 @@ def test_a_record_of_0575db6_without_pods_loads_and_unprepares(env):
     assert os.listdir(cdi) == [] and claims().prepared == {}
 
 
-class Sharer:
-    """What prepare asks of agent.dramode, recorded: time slices set, MPS plans applied."""
+class Actions:
+    """What prepare asks of agent.dramode, recorded: time slices set, MPS plans applied, MIG
+    devices made and destroyed (agent.dramode._NodeActions does it on the node)."""
 
     mps_root = "/run/nvidia/mps"
 
@@ -190,6 +191,7 @@ class Sharer:
         self.timeslices: list[tuple[str, int]] = []
         self.plans: list[dict] = []
         self.down = down or {}
+        self.made: list[list] = []  # [index, gi, ci, uuid] of what is made now
 
     def timeslice(self, uuid, interval):
         self.timeslices.append((uuid, interval))
@@ -197,6 +199,14 @@ class Sharer:
     def mps(self, plan):
         self.plans.append(plan)
         return {u: why for u, why in self.down.items() if u in plan}
+
+    def make(self, device):
+        made = [device.index, len(self.made) + 1, 0, f"MIG-made-{len(self.made) + 1}"]
+        self.made.append(made)
+        return device._replace(uuid=made[3], partition=()), made
+
+    def unmake(self, made):
+        self.made.remove(made)
 
 
 def _spec(cdi: str, uid: str) -> dict:
@@ -208,8 +218,8 @@ def test_time_slicing_sets_the_gpus_time_slice_as_nvidias_driver_does(env):
     with TimeSliceInterval.Int (sharing.go): Default 0 ... Long 3; a config naming no
     interval is Default (gpuconfig.go Normalize); on a MIG device nothing is set."""
     api, claims, cdi, _ = env
-    sharer = Sharer()
-    c = claims(sharer)
+    actions = Actions()
+    c = claims(actions)
     c.prepare(_claim(api, "ts", "u-1", [_result("gpu-1")], [
         _config({"sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {
             "interval": "Long"}}})]))
@@ -217,21 +227,21 @@ def test_time_slicing_sets_the_gpus_time_slice_as_nvidias_driver_does(env):
         _config({"sharing": {"strategy": "TimeSlicing"}})]))
     c.prepare(_claim(api, "mig", "u-3", [_result("gpu-2-mig-1g10gb-19-0")], [
         _config({"sharing": {"strategy": "TimeSlicing"}}, kind="MigDeviceConfig")]))
-    assert sharer.timeslices == [("GPU-bbb", 3), ("GPU-aaa", 0)]
-    assert sharer.plans == []
+    assert actions.timeslices == [("GPU-bbb", 3), ("GPU-aaa", 0)]
+    assert actions.plans == []
     assert [x["sharing"] for x in c.listing()] == [["TimeSlicing"], ["TimeSlicing"],
                                                    ["TimeSlicing"]]
 
 
 def test_mps_runs_the_gpus_daemon_and_gives_the_container_its_pipe_shm_and_limits(env):
     api, claims, cdi, state = env
-    sharer = Sharer()
-    c = claims(sharer)
+    actions = Actions()
+    c = claims(actions)
     c.prepare(_claim(api, "mps", "u-1", [_result("gpu-1")], [_config({"sharing": {
         "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 40,
                                          "defaultPinnedDeviceMemoryLimit": "10Gi",
                                          "defaultPerDevicePinnedMemoryLimit": {"0": "12Gi"}}}})]))
-    [plan] = sharer.plans
+    [plan] = actions.plans
     gpu = plan["GPU-bbb"]
     assert (gpu.index, gpu.thread_percentage, gpu.memory_limit_mib) == (1, 40, 12 * 1024)
     edits = _spec(cdi, "u-1")["devices"][0]["containerEdits"]
@@ -240,21 +250,61 @@ def test_mps_runs_the_gpus_daemon_and_gives_the_container_its_pipe_shm_and_limit
                             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=12288M"]
     assert [(m["hostPath"], m["containerPath"]) for m in edits["mounts"]] == [
         ("/run/nvidia/mps/GPU-bbb/pipe", "/tmp/nvidia-mps"), ("/run/nvidia/mps/shm", "/dev/shm")]
-    again = claims(sharer)  # a restarted agent: the daemons it needs come from the record
-    assert again.mps_plan() == plan
-    again.unprepare(ClaimRef("ml", "u-1", "mps"))
-    assert sharer.plans[-1] == {}  # the daemon no claim needs goes
+    assert claims(actions).mps_plan() == plan  # a restarted agent's: from the record
+    c.sync_mps()  # as at a start
+    c.unprepare(ClaimRef("ml", "u-1", "mps"))
+    assert actions.plans[-1] == {}  # the daemon no claim needs goes
 
 
 def test_a_claim_is_not_prepared_while_its_mps_daemon_is_down(env):
     api, claims, cdi, state = env
-    c = claims(Sharer(down={"GPU-aaa": "nvidia-cuda-mps-control -d: exit status 1"}))
+    c = claims(Actions(down={"GPU-aaa": "nvidia-cuda-mps-control -d: exit status 1"}))
     with pytest.raises(ClaimError) as refused:
         c.prepare(_claim(api, "mps", "u-1", [_result("gpu-0")],
                          [_config({"sharing": {"strategy": "MPS"}})]))
     assert "the MPS control daemon of gpu-0 is not running: nvidia-cuda-mps-control" in str(
         refused.value)
-    assert c.prepared == {} and not os.listdir(cdi) if os.path.exists(cdi) else True
+    assert c.prepared == {} and not (os.path.exists(cdi) and os.listdir(cdi))
+    assert c.actions.plans[-1] == {}  # the daemon it alone needed is not kept
+
+
+def test_a_prepare_failing_late_leaves_no_mig_device_made_and_no_mps_daemon(env):
+    """The CDI directory cannot be written (a file stands in its place): the MIG device made
+    for the claim is destroyed, the MPS daemon it alone needed is told to go, nothing is
+    recorded."""
+    api, claims, cdi, state = env
+    actions = Actions()
+    c = claims(actions)
+    with open(cdi, "w") as f:
+        f.write("not a directory")
+    devices = {**DEVICES, "gpu-3-mig-1g10gb-19-3": NodeDevice(
+        "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3, (19, 3, 1))}
+    c.devices = lambda: devices
+    with pytest.raises(ClaimError, match="cannot write the claim's CDI spec"):
+        c.prepare(_claim(api, "mig", "u-1", [_result("gpu-3-mig-1g10gb-19-3")]))
+    assert actions.made == [] and c.prepared == {}
+    with pytest.raises(ClaimError, match="cannot write the claim's CDI spec"):
+        c.prepare(_claim(api, "mps", "u-2", [_result("gpu-0")],
+                         [_config({"sharing": {"strategy": "MPS"}})]))
+    assert [list(p) for p in actions.plans] == [["GPU-aaa"], []]
+    assert os.listdir(state) == []
+
+
+def test_a_mig_device_made_at_prepare_is_in_the_spec_and_record_and_goes_at_unprepare(env):
+    api, claims, cdi, state = env
+    actions = Actions()
+    devices = {"gpu-3-mig-1g10gb-19-3": NodeDevice(
+        "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3, (19, 3, 1))}
+    c = claims(actions)
+    c.devices = lambda: devices
+    ref = _claim(api, "mig", "u-1", [_result("gpu-3-mig-1g10gb-19-3")])
+    c.prepare(ref)
+    assert actions.made == [[3, 1, 0, "MIG-made-1"]]
+    assert _spec(cdi, "u-1")["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=MIG-made-1"]
+    again = claims(actions)  # a restarted agent destroys what the record says was made
+    again.devices = lambda: devices
+    again.unprepare(ref)
+    assert actions.made == [] and again.prepared == {}
 
 
 def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consumed(env):
@@ -263,8 +313,8 @@ def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consume
     MPS share: its memory, and its cores or else the same fraction of the SMs. A share with
     all the memory is the GPU whole, not shared."""
     api, claims, cdi, _ = env
-    sharer = Sharer()
-    c = claims(sharer)
+    actions = Actions()
+    c = claims(actions)
     shares = [("a", "u-1", "0b5e3c7a-1111-4a4a-9a9a-000000000001", {"memory": "20Gi",
                                                                       "cores": "0"}),
               ("b", "u-2", "0b5e3c7a-2222-4a4a-9a9a-000000000002", {"memory": "20Gi",
@@ -285,5 +335,5 @@ def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consume
     assert env_of["u-2"][1:] == ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
                                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"]
     assert env_of["u-3"] is None  # all of the memory: the GPU whole, no MPS
-    gpu = sharer.plans[-1]["GPU-aaa"]
+    gpu = actions.plans[-1]["GPU-aaa"]
     assert (gpu.replicas, gpu.thread_percentage, gpu.memory_limit_mib) == (2, 50, 20480)

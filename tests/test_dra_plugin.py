@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import grpc
 import pytest
@@ -151,6 +152,10 @@ def test_kubelet_watching_health_gets_every_device_then_each_change(plugin, api,
         with pytest.raises(grpc.RpcError) as err:
             next(stream)
         assert err.value.code() == grpc.StatusCode.CANCELLED
+        deadline = time.monotonic() + 30  # the server's side of the stream ends too
+        while plugin.health.streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert plugin.health.streams == 0
         second = api_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
             api.NodeWatchResourcesRequest(), timeout=30)
         assert len(next(second).devices) == 2

@@ -512,7 +512,7 @@ class PathListKind(Kind):
 
 class GpuListKind(Kind):
     """GPUs by index or UUID, or `all`: comma-separated as text (empty: none), a list in the
-    file (agent.draSharedGpus)."""
+    file (agent.draSharedGpus, agent.draDynamicMig)."""
 
     metavar = "GPU,..."
     text_form = "comma-separated GPU indexes or UUIDs, or all"

@@ -9,20 +9,23 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   device checked against the devices this node publishes (one it does not: refused, naming
   it), how each device is shared decided (agent.dra.sharing: NVIDIA's opaque GpuConfig and
   MigDeviceConfig, consumable-capacity shares) and applied (a full GPU's time slice set, the
-  MPS daemons running: `sharer`), the claim's CDI spec written
+  MPS daemons running, a MIG device made: `actions`), the claim's CDI spec written
   (`<cdi dir>/k8s.gpu.nvidia.com-claim_<uid>.json`: kind `k8s.gpu.nvidia.com/claim`, a device
   `<uid>-<device name>` per device with its device nodes, and for an MPS share its daemon's
   pipe directory, /dev/shm and its limits; the control nodes and NVIDIA_VISIBLE_DEVICES at the
   spec's level: NVIDIA's names, cdi.go:45-46, 200, 300), the claim recorded, and the answer
   given: `k8s.gpu.nvidia.com/claim=<uid>-<device>` per device (device_state.go:827-835), with
-  its shareID. A refused claim writes nothing.
-- unprepare: the spec removed, then the record; a claim not recorded is already unprepared.
+  its shareID. A refused claim leaves nothing: no spec, no record, no MIG device made, no MPS
+  daemon it alone needed (a time slice set stays set, as with NVIDIA's driver).
+- unprepare: the spec removed, the MIG devices made for it destroyed, then the record, and
+  the MPS daemons no claim needs any more told to quit; a claim not recorded is already
+  unprepared.
 - The record: `dra-claims.msgpack` in the state directory, replaced atomically (fsynced) on
   each change: {uid: [namespace, name, [[requests, pool, device, cdi ids], ...], spec path,
-  pods, shares]}, pods being the names of the pods the claim was reserved for when it was
+  pods, shares, made]}, pods being the names of the pods the claim was reserved for when it was
   prepared (for status and metrics), shares each device's Share (the MPS daemons the claims
-  need follow from them: `mps_plan`); records of 0575db6 (no pods) and 434e476 (no shares)
-  load. One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never
+  need follow from them: `mps_plan`), made what `unmake` takes for each MIG device made at
+  prepare; records of 0575db6 (no pods) and 434e476 (no shares, nothing made) load. One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never
   overwritten in place.
 
 Must not call NVML (`devices` says what the node has) or decide scheduling.
@@ -44,8 +47,9 @@ from agent.dra import sharing
 from agent.dra.plugin import ClaimRef, Prepared
 from agent.dra.sharing import MPS, Share
 from agent.dra.slices import DRIVER
-from agent.errors import ClaimError, KubeApiError, StateError
+from agent.errors import AgentError, ClaimError, KubeApiError, StateError
 from agent.fileio import write_atomic
+from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +74,12 @@ class NodeDevice(NamedTuple):
     partition: tuple[int, int, int] = ()  # made at prepare: (GI profile ID, start, size)
 
 
-class Sharer:
-    """What applying a Share takes, done by agent.dramode: `timeslice(gpu uuid, interval)`
-    (nvidia-smi, as NVIDIA's driver), `mps(plan)` (make the MPS daemons those of the plan,
-    agent.dra.sharing.mps_plan, and say which are down: UUID -> why), and where the daemons'
-    pipe directories are (`mps_root`). This one refuses both."""
+class NodeActions:
+    """What preparing a claim does to the node beyond files, done by agent.dramode:
+    `timeslice(gpu uuid, interval)` (nvidia-smi, as NVIDIA's driver), `mps(plan)` (make the
+    MPS daemons those of the plan, agent.dra.sharing.mps_plan, and say which are down: UUID ->
+    why), where the daemons' pipe directories are (`mps_root`), and `make` / `unmake` of a
+    MIG device for a partition. This one refuses each (an empty MPS plan is no MPS)."""
 
     mps_root = ""
 
@@ -82,7 +87,9 @@ class Sharer:
         raise ClaimError("time-slicing settings are not available here")
 
     def mps(self, plan: dict) -> dict[str, str]:
-        raise ClaimError("MPS is not available here")
+        if plan:
+            raise ClaimError("MPS is not available here")
+        return {}
 
     def make(self, device: NodeDevice) -> tuple[NodeDevice, list]:
         """Partition `device` made: it as made (its UUID, its capability nodes added) and what
@@ -109,16 +116,15 @@ class Claims:
 
     def __init__(self, client: Any, node: str, devices: Callable[[], Mapping[str, NodeDevice]],
                  state_dir: str, cdi_dir: str = "/var/run/cdi", dev_root: str = "/",
-                 sharer: Sharer | None = None):
+                 actions: NodeActions | None = None):
         self.client = client
-        self.sharer = sharer or Sharer()
+        self.actions = actions or NodeActions()
         self.node = node
         self.devices = devices
         self.cdi_dir = cdi_dir
         self.dev_root = dev_root
         self.path = os.path.join(state_dir, STATE_FILE)
         self._lock = threading.Lock()
-        self._had_mps = True  # the first sync_mps tells the daemons even an empty plan
         self.prepared: dict[str, list] = self._load()
 
     # -- prepare ----------------------------------------------------------------------------
@@ -140,10 +146,8 @@ class Claims:
             devices, made = self._make(results, known)
             try:
                 return self._prepare(claim, results, pods, shares, devices, made)
-            except Exception:
-                for m in made:
-                    if m:
-                        self.sharer.unmake(m)  # not prepared: nothing left made
+            except Exception:  # not prepared: nothing left made or running for it
+                self._undo(made, any(s.strategy == MPS for s in shares))
                 raise
 
     def _make(self, results: list[dict], known: Mapping[str, NodeDevice]
@@ -153,16 +157,27 @@ class Claims:
         try:
             for r in results:
                 if known[r["device"]].partition:
-                    devices[r["device"]], m = self.sharer.make(known[r["device"]])
+                    devices[r["device"]], m = self.actions.make(known[r["device"]])
                     made.append(m)
                 else:
                     made.append([])
         except Exception:
-            for m in made:
-                if m:
-                    self.sharer.unmake(m)
+            self._undo(made, False)
             raise
         return devices, made
+
+    def _undo(self, made: list[list], mps: bool) -> None:
+        """After a failed prepare: the MIG devices it made destroyed, the MPS daemons back to
+        what the prepared claims need; a failure here is logged (the prepare's own error is
+        what kubelet is told)."""
+        try:
+            for m in made:
+                if m:
+                    self.actions.unmake(m)
+            if mps:
+                self.sync_mps()
+        except AgentError as exc:
+            log.error("undoing a failed prepare: %s", exc)
 
     def _prepare(self, claim: ClaimRef, results: list[dict], pods: list[str],
                  shares: list[Share], known: Mapping[str, NodeDevice], made: list[list]
@@ -181,7 +196,6 @@ class Claims:
             self._save({**self.prepared, claim.uid: record})
         except StateError:
             _remove(spec)  # not recorded: not prepared either
-            self.sync_mps()
             raise
         log.info("claim %s/%s (%s) prepared: %s", claim.namespace, claim.name, claim.uid,
                  ", ".join(p.device + (f" ({s.strategy})" if s.strategy else "")
@@ -194,10 +208,10 @@ class Claims:
         shared by TimeSlicing, and the MPS daemons of `prepared` (with the claim) running."""
         for r, s in zip(results, shares):
             if s.interval:
-                self.sharer.timeslice(known[r["device"]].uuid, sharing.INTERVALS[s.interval])
+                self.actions.timeslice(known[r["device"]].uuid, sharing.INTERVALS[s.interval])
         if not any(s.strategy == MPS for s in shares):
             return
-        down = self.sharer.mps(self.mps_plan(prepared))
+        down = self.actions.mps(self.mps_plan(prepared))
         for r, s in zip(results, shares):
             why = down.get(known[r["device"]].uuid) if s.strategy == MPS else None
             if why:
@@ -212,11 +226,9 @@ class Claims:
                                 for d, share in zip(v[2], _shares(v)) if d[2] in known)
 
     def sync_mps(self) -> None:
-        """Make the MPS daemons those the recorded claims need (at start: adopt them)."""
-        plan = self.mps_plan()
-        if plan or self._had_mps:
-            self.sharer.mps(plan)
-        self._had_mps = bool(plan)
+        """Make the MPS daemons those the recorded claims need (at start: adopt them; after
+        an unprepare or a failed prepare: quit those no claim needs)."""
+        self.actions.mps(self.mps_plan())
 
     def _results(self, claim: ClaimRef) -> tuple[list[dict], list[str], list]:
         """The claim's allocation results for this driver on this node, checked, the names of
@@ -280,9 +292,7 @@ class Claims:
         device 0)."""
         if share.strategy != MPS:
             return {}
-        from agent.rm.sharing import mps_pipe_dir, mps_shm_dir
-
-        root = self.sharer.mps_root
+        root = self.actions.mps_root
         threads = 100 if share.threads is None else share.threads
         memory = device.memory >> 20 if share.memory_mib is None else share.memory_mib
         return {
@@ -317,8 +327,8 @@ class Claims:
                 raise ClaimError(f"cannot remove the claim's CDI spec {held[3]}: {exc}") \
                     from None
             for m in held[6] if len(held) > 6 else ():
-                if m:
-                    self.sharer.unmake(m)  # failing: kubelet calls again
+                if m:  # failing: kubelet calls again; one already gone is skipped
+                    self.actions.unmake(m)
             self._save({k: v for k, v in self.prepared.items() if k != claim.uid})
             log.info("claim %s/%s (%s) unprepared", claim.namespace, claim.name, claim.uid)
             if any(share.strategy == MPS for share in _shares(held)):

@@ -5,10 +5,10 @@ owned by the Node so that it goes when the Node does), and the slices of GPUs pa
 demand beside it (`<node>-gpu.nvidia.com-<suffix>`: their shared counters, their devices),
 created, or replaced all with the pool's generation one higher when one differs from what the
 API server holds (the scheduler takes a pool only when all its slices are of one generation);
-nothing written when they are the same, so an agent restarted on an unchanged node rewrites nothing, and a
-generation never goes back (the scheduler uses only the newest generation of a pool). A
-conflict (the slice changed since it was read) is raised and forgets what was read: the next
-call reads again. Must not read NVML (agent.dra.slices builds the devices) or retry (the
+nothing written when they are the same, so an agent restarted on an unchanged node rewrites
+nothing, and a generation never goes back (the scheduler uses only the newest generation of a
+pool). A conflict (the slice changed since it was read) is raised and forgets what was read: the
+next call reads again. Must not read NVML (agent.dra.slices builds the devices) or retry (the
 caller decides when).
 """
 
@@ -79,8 +79,9 @@ class SlicePublisher:
         self._held = written
         self.generation = generation
         self.writes += 1
-        log.info("ResourceSlice %s: %d devices, pool generation %d%s", self.name, len(devices),
-                 generation, f", {len(want)} slices" if len(want) > 1 else "")
+        log.info("ResourceSlice %s: %d devices, pool generation %d%s", self.name,
+                 sum(len(c.get("devices") or ()) for c in want.values()), generation,
+                 f", {len(want)} slices" if len(want) > 1 else "")
         return True
 
     def forget(self) -> None:
@@ -96,8 +97,9 @@ class SlicePublisher:
         listing = self.client.request(
             "GET", f"{SLICES}?fieldSelector=spec.nodeName%3D{self.node}")
         held = {s["metadata"]["name"]: s for s in listing.get("items") or []
-                if s.get("metadata", {}).get("name", "") == self.name or
-                s["metadata"]["name"].startswith(f"{self.name}-")}
+                if s.get("spec", {}).get("driver") == DRIVER and (
+                    s["metadata"]["name"] == self.name or
+                    s["metadata"]["name"].startswith(f"{self.name}-"))}
         if held:
             self.generation = max(h["spec"]["pool"]["generation"] for h in held.values())
         return held

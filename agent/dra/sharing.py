@@ -4,9 +4,10 @@ Owns: reading the opaque configs of a claim's allocation meant for gpu.nvidia.co
 kubelet plugin reads them (resource.nvidia.com/v1beta1 `GpuConfig` and `MigDeviceConfig`,
 decoded strictly: an unknown field, kind or value is refused with its path named; NVIDIA's
 api/nvidia.com/resource/v1beta1 sharing.go, gpuconfig.go, migconfig.go, validate.go); which
-config applies to which allocated device (the last one naming its request, else the last one
-naming none whose kind fits the device; a GpuConfig naming a MIG device's request, or a
-MigDeviceConfig naming a GPU's, refused: cmd/gpu-kubelet-plugin/device_state.go:727-768);
+config applies to which allocated device (the last one, class configs before the claim's,
+that either names its request or names no request and is of the device's kind; a GpuConfig
+naming a MIG device's request, or a MigDeviceConfig naming a GPU's, refused:
+cmd/gpu-kubelet-plugin/device_state.go:727-768);
 and the Share each device gets: exclusive, TimeSlicing with its interval (Default when
 unset), or MPS with its limits, from the config, or from the capacity the scheduler charged
 an allocation of a shareable GPU (agent.dra.slices.gpu_device: its memory, and its `cores` or

@@ -6,10 +6,10 @@ whole instance (as NVIDIA's DRA driver keeps, nvlib.go:585), named as go-nvlib n
 each of its placements (nvmlDeviceGetGpuInstancePossiblePlacements_v2) and its counts, and the
 GPU's number of memory slices; `create(gpu, profile_id, start)`: the GPU instance at that
 placement (nvmlDeviceCreateGpuInstanceWithPlacement) and its full compute instance, answered
-as the MIG device it makes (UUID, IDs, capability nodes); `destroy(gpu, gi, ci)`: the compute
-instance, then the GPU instance (already gone: nothing to do). NvmlError when NVML refuses
-(INSUFFICIENT_RESOURCES: the placement is taken). Must not decide what is published or
-prepared (agent.dra).
+as the MIG device it makes (UUID, IDs, capability nodes), nothing left when that fails;
+`destroy(gpu, gi, ci, uuid)`: the compute instance, then the GPU instance, when they are
+still that MIG device's. NvmlError when NVML refuses (INSUFFICIENT_RESOURCES: the placement
+is taken). Must not decide what is published or prepared (agent.dra).
 """
 
 from __future__ import annotations
@@ -86,53 +86,55 @@ def possible(gpu: Gpu) -> tuple[list[Partition], int]:
 
 def create(gpu: Gpu, profile_id: int, start: int, size: int) -> Made:
     """The GPU instance of profile `profile_id` at memory slices start .. start + size - 1 and
-    its full compute instance."""
+    its full compute instance; on any failure after the GPU instance is made, what was made
+    is destroyed before the error is raised (AgentError)."""
     handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
     placement = pynvml.c_nvmlGpuInstancePlacement_t(start, size)
     gi = _call(pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, handle, profile_id,
                ctypes.byref(placement))
+    ci = None
     try:
-        info = _call(pynvml.nvmlGpuInstanceGetInfo, gi)
-        slices = next(p.sliceCount for _, p in _gi_profiles(handle) if p.id == profile_id)
+        gi_id = int(_call(pynvml.nvmlGpuInstanceGetInfo, gi).id)
+        slices = next((p.sliceCount for _, p in _gi_profiles(handle) if p.id == profile_id), 0)
+        if slices not in _CI_PROFILE_BY_SLICES:
+            raise AgentError(f"GPU {gpu.index}: GPU instance profile {profile_id} has "
+                             f"{slices} slices, no full compute instance profile")
         ci_profile = _call(pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi,
                            _CI_PROFILE_BY_SLICES[slices], 0)
         ci = _call(pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile.id)
         ci_id = int(_call(pynvml.nvmlComputeInstanceGetInfo_v2, ci).id)
-    except NvmlError:
+        uuid = _uuid(handle, gi_id, ci_id)
+        if uuid is None:  # NVML made it and does not list it
+            raise NvmlError(pynvml.NVML_ERROR_NOT_FOUND, "nvmlDeviceGetMigDeviceHandleByIndex")
+        minors = mig_minors()  # AgentError when the driver's list cannot be read
+    except Exception:
+        if ci is not None:
+            _call(pynvml.nvmlComputeInstanceDestroy, ci)
         _call(pynvml.nvmlGpuInstanceDestroy, gi)  # no half-made partition is left
         raise
-    gi_id = int(info.id)
-    for _, mig in _mig_handles(handle):
-        if (_call(pynvml.nvmlDeviceGetGpuInstanceId, mig),
-                _call(pynvml.nvmlDeviceGetComputeInstanceId, mig)) == (gi_id, ci_id):
-            uuid = _text(_call(pynvml.nvmlDeviceGetUUID, mig))
-            break
-    else:  # NVML made it and does not list it
-        raise NvmlError(pynvml.NVML_ERROR_NOT_FOUND, "nvmlDeviceGetMigDeviceHandleByIndex")
-    try:
-        minors = mig_minors()
-    except AgentError as exc:
-        log.warning("%s: the MIG device gets no capability nodes", exc)
-        minors = {}
     log.info("GPU %d: MIG device %s made (GPU instance %d at %d+%d, compute instance %d)",
              gpu.index, uuid, gi_id, start, size, ci_id)
     return Made(uuid, gi_id, ci_id, _caps(minors, gpu, gi_id, ci_id))
 
 
-def destroy(gpu: Gpu, gi: int, ci: int) -> None:
-    """The compute instance, then the GPU instance; what is already gone is skipped."""
+def _uuid(handle, gi: int, ci: int) -> str | None:
+    """The UUID of the MIG device of GPU instance `gi`, compute instance `ci`; None if none."""
+    for _, mig in _mig_handles(handle):
+        if (_call(pynvml.nvmlDeviceGetGpuInstanceId, mig),
+                _call(pynvml.nvmlDeviceGetComputeInstanceId, mig)) == (gi, ci):
+            return _text(_call(pynvml.nvmlDeviceGetUUID, mig))
+    return None
+
+
+def destroy(gpu: Gpu, gi: int, ci: int, uuid: str) -> None:
+    """MIG device `uuid` (GPU instance `gi`, compute instance `ci`) destroyed: the compute
+    instance, then the GPU instance. Gone already, or those IDs now another MIG device's
+    (NVML hands a freed ID to the next instance made): nothing is done."""
     handle = _call(pynvml.nvmlDeviceGetHandleByIndex, gpu.index)
-    try:
-        instance = _call(pynvml.nvmlDeviceGetGpuInstanceById, handle, gi)
-    except NvmlError as exc:
-        if exc.name in ("NOT_FOUND", "INVALID_ARGUMENT"):
-            return
-        raise
-    try:
-        _call(pynvml.nvmlComputeInstanceDestroy,
-              _call(pynvml.nvmlGpuInstanceGetComputeInstanceById, instance, ci))
-    except NvmlError as exc:
-        if exc.name not in ("NOT_FOUND", "INVALID_ARGUMENT"):
-            raise
+    if _uuid(handle, gi, ci) != uuid:
+        return
+    instance = _call(pynvml.nvmlDeviceGetGpuInstanceById, handle, gi)
+    _call(pynvml.nvmlComputeInstanceDestroy,
+          _call(pynvml.nvmlGpuInstanceGetComputeInstanceById, instance, ci))
     _call(pynvml.nvmlGpuInstanceDestroy, instance)
-    log.info("GPU %d: MIG device of GPU instance %d destroyed", gpu.index, gi)
+    log.info("GPU %d: MIG device %s destroyed (GPU instance %d)", gpu.index, uuid, gi)

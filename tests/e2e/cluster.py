@@ -536,6 +536,8 @@ state = "{self.path('containerd', 'state')}"
                             GPU_AGENT_SIM_CONTROL=ctl,
                             GPU_AGENT_MIG_MINORS_FILE=os.path.join(
                                 root, "proc", "driver", "nvidia-caps", "mig-minors"),
+                            # the simulated driver's majors (nvidia-caps: MIG devices made)
+                            GPU_AGENT_PROC_DEVICES_FILE=os.path.join(root, "proc", "devices"),
                             **(env or {}))
         argv = [sys.executable, "-m", "agent", "run",
                 "--kubelet-socket", self.kubelet_socket,
