@@ -349,7 +349,20 @@ class Registrar:
         # there, so it wiped before it listened, and our socket outlived that. Looked at before
         # connecting (as up to 0575db6), a kubelet starting in between got our Register and
         # dialled a socket it had removed, then waited on its reconnect backoff (about 1 s).
-        channel = grpc.insecure_channel(f"unix:{self.kubelet_socket}",
+        # The channel dials the socket file seen now through /proc/self/fd, never the path:
+        # if that kubelet goes before the call, gRPC's reconnect finds nobody there (refused,
+        # retried) rather than a kubelet started since, which would dial our socket as wiped.
+        try:
+            pinned = os.open(self.kubelet_socket, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            self._wake()  # gone meanwhile: the next pass looks again
+            return
+        st = os.fstat(pinned)
+        if (st.st_dev, st.st_ino, st.st_ctime_ns) != kubelet:
+            os.close(pinned)
+            self._wake()
+            return
+        channel = grpc.insecure_channel(f"unix:/proc/self/fd/{pinned}",
                                         options=[("grpc.enable_http_proxy", 0)])
         try:
             error = _connect(channel, name, self.kubelet_socket)
@@ -364,6 +377,7 @@ class Registrar:
             error = str(exc)
         finally:
             channel.close()
+            os.close(pinned)
         if not p.server.owns_socket():  # a kubelet started meanwhile: serve, then register
             log.info("%s: our socket %s went away while registering; serving it again", name,
                      p.server.path)
