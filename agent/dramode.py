@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -56,6 +57,7 @@ class DraMode:
         self.more: dict[str, dict] = {}
         self._more_untainted: dict[str, dict] = {}
         self.gpus: list = []
+        self._server: tuple[int, int] | None = None  # the API server's Kubernetes version
         self.taints: dict[str, tuple[str, str, str]] = {}  # name -> (reason, since, effect)
         # device UUID -> (reason, needs a reboot), as the monitor says
         self._withdrawn: dict[str, tuple[str, bool]] = {}
@@ -77,11 +79,14 @@ class DraMode:
     def apply(self, gpus: list, cfg: Any) -> None:
         """Read the devices of `gpus` and publish them (here: the daemon's start waits for
         the first publication); start the kubelet plugin (once)."""
+        shareable = self._served(_named(gpus, cfg.dra_shared_gpus, "agent.draSharedGpus"),
+                                 "agent.draSharedGpus", "consumable capacity",
+                                 "DRAConsumableCapacity", "whole")
+        dynamic = self._served(_named(gpus, cfg.dra_dynamic_mig, "agent.draDynamicMig"),
+                               "agent.draDynamicMig", "partitionable devices",
+                               "DRAPartitionableDevices", "with the MIG devices they have")
         untainted, more, node_devices = _read(gpus, cfg.dev_root or cfg.driver_root,
-                                              _named(gpus, cfg.dra_shared_gpus,
-                                                     "agent.draSharedGpus"),
-                                              _named(gpus, cfg.dra_dynamic_mig,
-                                                     "agent.draDynamicMig"))
+                                              shareable, dynamic)
         with self._lock:
             self.gpus = list(gpus)
             self._untainted, self._more_untainted = untainted, more
@@ -95,6 +100,29 @@ class DraMode:
             self._thread.start()
         if not self._publish():
             self._due.set()
+
+    def _served(self, uuids: set[str], key: str, feature: str, gate: str, instead: str
+                ) -> set[str]:
+        """`uuids` when the API server takes `feature` (beta and on from Kubernetes 1.36),
+        else none, said in the log: an older one drops its fields and the scheduler would
+        hand out what the node cannot give. Not known (the API server does not answer
+        /version): as configured."""
+        if not uuids:
+            return uuids
+        if self._server is None:
+            try:
+                v = self.client.request("GET", "/version")
+                self._server = (int(v["major"]), int(re.match(r"\d+", v["minor"]).group()))
+            except (AgentError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("%s: the API server's version is not known (%s): publishing as "
+                            "configured", key, exc)
+                return uuids
+        if self._server >= (1, 36):
+            return uuids
+        log.error("%s: the API server is Kubernetes %d.%d; %s: 1.36 or later (%s, beta "
+                  "there); its GPUs are published %s", key, *self._server, feature, gate,
+                  instead)
+        return set()
 
     def _plugin_changed(self) -> None:
         """A registration status or a call: on each new registration the slice is read and

@@ -41,6 +41,7 @@ class KubeApi:
         self.version = 1  # the Node's resourceVersion
         self.uid = "7d3c1b52-node-uid"  # the Node's
         self.slices: dict[str, dict] = {}  # ResourceSlices by name
+        self.kubernetes = (1, 37)  # the Kubernetes version /version answers
         self.claims: dict[tuple[str, str], dict] = {}  # ResourceClaims by (namespace, name)
         self._object_version = 100  # resourceVersions of the other objects
         self._history: list[tuple[int, dict]] = []  # (version, watch event) of each change
@@ -215,6 +216,10 @@ class KubeApi:
                 self._cv.notify_all()
 
     def _route(self, method: str, parts: list[str], body: Any, ctype: str) -> tuple[int, Any]:
+        if parts == ["version"] and method == "GET":
+            major, minor = self.kubernetes
+            return 200, {"major": str(major), "minor": f"{minor}+",
+                         "gitVersion": f"v{major}.{minor}.0"}
         if parts[:3] == ["api", "v1", "namespaces"] and len(parts) >= 5:
             namespace, kind, rest = parts[3], parts[4], parts[5:]
             if kind == "events" and method == "POST" and not rest:

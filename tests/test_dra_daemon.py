@@ -321,3 +321,25 @@ def test_a_reload_makes_a_gpu_shareable_by_consumable_capacity(node):
         "default": "0", "validRange": {"min": "0", "step": "1"}}}
     assert "allowMultipleAllocations" not in device(gpu1["minor"])
     assert agent.alive()
+
+
+@pytest.mark.parametrize("option", ["--dra-dynamic-mig", "--dra-shared-gpus"])
+def test_an_api_server_older_than_1_36_gets_no_partitions_nor_shares(option):
+    """Partitionable devices and consumable capacity are beta from Kubernetes 1.36; an older
+    API server drops their fields, and its scheduler would give claims overlapping MIG
+    placements or a GPU many times whole. Against a 1.35 API server the agent publishes those
+    GPUs as they stand and says why."""
+    with Node("h100-mig") as node:
+        control.append_record(node.ctl, "mig gpu=2 mode=enabled")
+        api = KubeApi(NODE)
+        api.kubernetes = (1, 35)
+        api.kubeconfig(node.kubeconfig)
+        agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
+                           "--kubelet-dir", node.root, "--mode", "dra", option, "all")
+        api.wait(lambda: SLICE in api.slices, "the ResourceSlice")
+        agent.wait_log(f"agent.{'draDynamicMig' if 'mig' in option else 'draSharedGpus'}: "
+                       f"the API server is Kubernetes 1.35;")
+        assert list(api.slices) == [SLICE]
+        assert not any(d.get("allowMultipleAllocations")
+                       for d in api.slices[SLICE]["spec"]["devices"])
+        assert agent.stop() == 0

@@ -447,13 +447,17 @@ def test_claims_of_20gi_share_one_80gb_gpu_by_capacity_and_one_more_of_30gi_wait
         node, mps_root, dra, k8s_version):
     """KEP-5075 (DRAConsumableCapacity, beta from 1.36): GPU 0 published as shareable
     (agent.draSharedGpus); three claims of 20Gi are allocated to it and run, each container
-    with its MPS share; a fourth of 30Gi does not fit the 80 GB and stays pending."""
-    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
-        pytest.skip(f"consumable capacity is alpha in {k8s_version} (gate "
-                    f"DRAConsumableCapacity, off here): beta from 1.36")
+    with its MPS share; a fourth of 30Gi does not fit the 80 GB and stays pending. On an
+    older API server the agent refuses to publish the share."""
     gpu = profile_gpus("dgx-h100")[0]
-    _dra_agent(node, dra, "--dra-shared-gpus", "0", "--mps-root", mps_root, "--mps-control",
-               MPS_STAND_IN, profile="dgx-h100")
+    agent, published = _dra_agent(node, dra, "--dra-shared-gpus", "0", "--mps-root", mps_root,
+                                  "--mps-control", MPS_STAND_IN, profile="dgx-h100")
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
+        # consumable capacity is alpha there (DRAConsumableCapacity, off): the agent says so
+        # and publishes the GPU whole
+        agent.wait_log(f"agent.draSharedGpus: the API server is Kubernetes {k8s_version[:4]};")
+        assert not any(d.get("allowMultipleAllocations") for d in published["spec"]["devices"])
+        return
     shareable = "device.allowMultipleAllocations"
     for i in range(3):
         _pod_with_claim(node, dra, f"share-{i}", f"share-{i}", selector=shareable,
@@ -492,17 +496,22 @@ def test_mig_devices_are_made_at_prepare_without_overlap_and_destroyed_at_unprep
     h100-mig, MIG enabled with no instance, published as its placements; two claims for
     1g.10gb get two placements, each a MIG device made at prepare (NVML lists it; the
     container gets it and its capability nodes); a claim for 7g.80gb, which overlaps them,
-    waits; once the two pods go their MIG devices are destroyed and the 7g.80gb one runs."""
-    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
-        pytest.skip(f"partitionable devices are alpha in {k8s_version} (gate "
-                    f"DRAPartitionableDevices, off here; counters beside their devices): "
-                    f"beta from 1.36")
+    waits; once the two pods go their MIG devices are destroyed and the 7g.80gb one runs. On
+    an older API server the agent publishes no partition and says why."""
     profile = "h100-mig"
     gpu = profile_gpus(profile)[2]
     ctl = node.cluster.path(f"simctl-{profile}")
     os.makedirs(ctl, exist_ok=True)
     control.append_record(ctl, "mig gpu=2 mode=enabled")
-    _dra_agent(node, dra, "--dra-dynamic-mig", "2", profile=profile)
+    agent, _ = _dra_agent(node, dra, "--dra-dynamic-mig", "2", profile=profile)
+    if tuple(int(x) for x in k8s_version.split(".")[:2]) < (1, 36):
+        # partitionable devices are alpha there (DRAPartitionableDevices, off; counters beside
+        # their devices): the agent says so and publishes no partition
+        agent.wait_log(f"agent.draDynamicMig: the API server is Kubernetes {k8s_version[:4]};")
+        names = [s["metadata"]["name"] for s in node.api.get(
+            f"{RESOURCE_API}/resourceslices")["items"]]
+        assert names == [f"{NODE}-{DRIVER}"], names
+        return
 
     def mig_claim(name: str, mig_profile: str) -> None:
         body = resource_claim(name, selector=(
