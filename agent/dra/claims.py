@@ -25,8 +25,8 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   pods, shares, made]}, pods being the names of the pods the claim was reserved for when it was
   prepared (for status and metrics), shares each device's Share (the MPS daemons the claims
   need follow from them: `mps_plan`), made what `unmake` takes for each MIG device made at
-  prepare; records of 0575db6 (no pods) and 434e476 (no shares, nothing made) load. One that cannot be read is moved aside (`.bad-<unix time>`) and reported, never
-  overwritten in place.
+  prepare; records of 0575db6 (no pods) and 434e476 (no shares, nothing made) load. One that
+  cannot be read is moved aside (`.bad-<unix time>`) and reported, never overwritten in place.
 
 Must not call NVML (`devices` says what the node has) or decide scheduling.
 """

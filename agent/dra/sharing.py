@@ -157,14 +157,12 @@ def shares(results: Sequence[dict], configs: Sequence[Config], devices: Mapping[
            where: str) -> list[Share]:
     """The Share of each of `results` (the claim's allocation results for this node);
     `devices`: name -> agent.dra.claims.NodeDevice."""
+    chosen = [_config_of(r, devices[r["device"]], configs, where) for r in results]
     out = []
-    for r in results:
+    for r, config in zip(results, chosen):
         device = devices[r["device"]]
-        config = _config_of(r, device, configs, where)
-        share = _from_config(config, device, [devices[x["device"]].uuid for x in results
-                                              if _config_of(x, devices[x["device"]], configs,
-                                                            where) is config], where)
-        out.append(_with_capacity(share, r, device, where))
+        uuids = [devices[x["device"]].uuid for x, c in zip(results, chosen) if c is config]
+        out.append(_with_capacity(_from_config(config, device, uuids, where), r, device, where))
     mps_gpus = {devices[r["device"]].uuid for r, s in zip(results, out) if s.strategy == MPS}
     if len(mps_gpus) > 1:
         raise SharingError(f"{where}: MPS on {len(mps_gpus)} devices of one claim: each GPU "
