@@ -19,7 +19,7 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent, wants_twins
-from tests.daemon_harness import GPU, SOCKET, Node, clean_env
+from tests.daemon_harness import GPU, SOCKET, Node, NotifySocket, clean_env
 
 PROFILE = load_profile("dgx1-v100")
 GPUS = PROFILE["gpus"]
@@ -27,6 +27,20 @@ UUIDS = [g["uuid"] for g in GPUS]
 NUMA = {g["uuid"]: g["numa_node"] for g in GPUS}
 INDEX = {g["uuid"]: g["index"] for g in GPUS}
 MINOR = {g["uuid"]: g["minor"] for g in GPUS}
+
+
+def started(node: Node):
+    """An agent on `node` once it sent READY=1, when `systemctl start` (Type=notify) returns
+    and an operator runs `gpu-agent status`: status.json is written before READY, while the
+    registration comes earlier (wait_registered alone raced the first write)."""
+    notify = NotifySocket(node)
+    try:
+        agent = node.agent(env=node.env(NOTIFY_SOCKET=notify.address))
+        notify.wait_key("READY", "1")
+    finally:
+        notify.close()
+    agent.wait_registered()
+    return agent
 
 
 @pytest.fixture
@@ -75,8 +89,7 @@ def test_list_and_watch_sends_the_full_list_to_every_stream(node):
 
 
 def test_status_reports_the_running_agent(node):
-    agent = node.agent()
-    agent.wait_registered()
+    agent = started(node)
     out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
     assert f"agent: running (pid {agent.pid}" in out
     assert f"{GPU}: registered (1 registrations) on {node.plugin_socket}" in out
@@ -92,8 +105,7 @@ def test_status_exits_as_systemctl_status_does(node):
     # 3 once stopped; --json keeps exiting 0 (its document says it all)
     status = ("status", "--state-dir", node.state)
     assert run_gpu_agent(*status, env=clean_env(), check=False).returncode == 3
-    agent = node.agent()
-    agent.wait_registered()
+    agent = started(node)
     assert run_gpu_agent(*status, env=clean_env(), check=False).returncode == 0
     control.inject_xid(node.ctl, 5, 79)
     node.status_with(f"GPU 5 {UUIDS[5]} NUMA 0: unhealthy")

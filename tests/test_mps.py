@@ -32,8 +32,7 @@ import pytest
 from agent.mps.control import Control, launcher
 from agent.rm.sharing import mps_log_dir, mps_pipe_dir
 from agent.sim.profile import load_profile
-from tests.conftest import run_gpu_agent
-from tests.daemon_harness import GPU, Node, clean_env
+from tests.daemon_harness import GPU, Node
 from tests.test_metrics import metrics_port, samples
 from tests.test_mig import _variant
 
@@ -117,9 +116,9 @@ def test_a_daemon_per_shared_gpu_with_its_dirs_gpu_and_nvidias_default_limits(mp
         assert f"Command: set_default_device_pinned_mem_limit 0 {(16 << 30) // 4 // MIB}M " \
             "-> ok" in text
     assert not any(os.path.exists(mps_pipe_dir(mps.root, u)) for u in UUIDS[2:])
-    out = run_gpu_agent("status", "--state-dir", mps.node.state, env=clean_env(), check=False).stdout
-    assert f"GPU 0 {UUIDS[0]}: running (pid {_pid(mps.root, UUIDS[0])}); 4 replicas, 25% of " \
-        "the SMs and 4096 MiB a client by default; restarted 0 times" in out
+    line = f"GPU 0 {UUIDS[0]}: running (pid {_pid(mps.root, UUIDS[0])}); 4 replicas, 25% of " \
+        "the SMs and 4096 MiB a client by default; restarted 0 times"
+    assert line in mps.node.status_with(line)  # (status.json may follow kubelet's list)
 
 
 def test_allocate_gives_nvidias_pipe_and_shm_and_the_containers_share(mps):
@@ -175,8 +174,7 @@ def test_a_killed_daemon_is_restarted_and_its_replicas_withdrawn_meanwhile(mps):
     assert _alive(_pid(mps.root, UUIDS[1]))  # the other GPU's daemon was left alone
     assert "Command: set_default_active_thread_percentage 25 -> ok" in \
         _control_log(mps.root, UUIDS[0]).split(f"Startup (pid {_pid(mps.root, UUIDS[0])}")[1]
-    out = run_gpu_agent("status", "--state-dir", mps.node.state, env=clean_env(), check=False).stdout
-    assert "restarted 1 times" in out
+    assert "restarted 1 times" in mps.node.status_with("restarted 1 times")
     port = metrics_port(mps.node)  # and Prometheus sees it
     assert samples(port, "gpu_agent_mps_daemon_restarts_total", gpu="0")[0][1] == 1.0
     assert [v for _, v in samples(port, "gpu_agent_mps_daemon_up")] == [1.0, 1.0]
@@ -234,9 +232,9 @@ def test_a_control_program_that_is_not_there_withdraws_the_replicas_and_says_why
                            "--mps-control", node.path("no-such-program"))
         agent.wait_for(lambda s: (r := s.resource(GPU)) is not None and len(
             [d for d in r.devices if not d.healthy]) == 8, "GPUs 0 and 1's replicas withdrawn")
-        out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
-        assert f"GPU 0 {UUIDS[0]}: MPS control daemon not running: could not start the MPS " \
-            f"control daemon of {UUIDS[0]}: " in out
+        why = f"GPU 0 {UUIDS[0]}: MPS control daemon not running: could not start the MPS " \
+            f"control daemon of {UUIDS[0]}: "
+        assert why in node.status_with(why)
         withdrawn = samples(metrics_port(node), "gpu_agent_device_healthy", reason="mps")
         assert sorted(lab["device"] for lab, v in withdrawn if v == 0.0) == sorted(
             f"{u}::{n}" for u in UUIDS[:2] for n in range(4))

@@ -41,8 +41,7 @@ from agent.kubelet.plugin import socket_name
 from agent.sim import control
 from agent.sim.kubelet import PodRejected
 from agent.sim.profile import load_profile
-from tests.conftest import run_gpu_agent
-from tests.daemon_harness import GPU, WAIT, Node, clean_env
+from tests.daemon_harness import GPU, WAIT, Node
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DGX = load_profile("dgx1-v100")
@@ -228,7 +227,7 @@ def test_an_xid_withdraws_every_replica_of_the_gpu_and_only_those():
         withdrawn = [s for s in node.client.snapshots(GPU)[versions:]
                      if any(d.health != "Healthy" for d in s.devices)]
         assert sum(d.health != "Healthy" for d in withdrawn[0].devices) == 4
-        out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
+        out = node.status_with(f"GPU 3 {UUIDS[3]} NUMA 0: unhealthy (XID 48")
         assert f"GPU 3 {UUIDS[3]} NUMA 0: unhealthy (XID 48" in out
         assert "GPU reset required) [4 devices]" in out  # the replicas on one line
         assert f"GPU 2 {UUIDS[2]} NUMA 0: healthy [4 devices]" in out
