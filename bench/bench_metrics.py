@@ -3,7 +3,8 @@ idle agent nobody scrapes, and what a scrape every second does to Allocate.
 
 Owns: the 64-GPU node profile (written at run time from the shipped pcie-8gpu: eight copies of
 its eight GPUs, SYS between copies) and the three measurements. The references are measured
-in the same run: the agent with its endpoint off (idle CPU) and Allocate with no scrapes.
+in the same run: the agent with its endpoint off and a bare grpcio server (idle CPU), and
+Allocate with no scrapes.
 """
 
 from __future__ import annotations
@@ -221,6 +222,25 @@ def _run_ns(pid: int) -> dict[int, int]:
     return out
 
 
+def _idle_floor(work: str) -> float:
+    """CPU % over IDLE_S of a bare grpcio server that nobody calls: bench/bench_floor.py's
+    floor process (grpc.server with the agent's worker count, one unix socket), the least a
+    device plugin served by grpcio's server costs at rest (its server thread polls every
+    200 ms, its event engine wakes about every second)."""
+    from bench.bench_floor import _Floor  # the floor the Allocate figures are measured against
+
+    floor = _Floor(work, dp.AllocateResponse().SerializeToString())
+    try:
+        time.sleep(2.0)
+        before, t0 = _run_ns(floor.proc.pid), time.monotonic()
+        time.sleep(IDLE_S)
+        span = time.monotonic() - t0
+        ran = sum(ns - before.get(tid, 0) for tid, ns in _run_ns(floor.proc.pid).items())
+        return 100 * ran / 1e9 / span
+    finally:
+        floor.stop()
+
+
 def _idle_cpu(node: Node, address: str) -> tuple[float, float, dict[str, float]]:
     """CPU % of an agent nobody scrapes, over IDLE_S after it settled (its threads' run time),
     its RSS then, and the wake-ups per minute of each of its threads that woke in that time
@@ -376,7 +396,8 @@ def run() -> Section:
                 f"GPU's telemetry from NVML; on 8 GPUs then {MORE_SCRAPES:,} more, for the "
                 f"memory they leave. Idle: CPU of an agent nobody scrapes over "
                 f"{IDLE_S:g} s (its threads' run time, /proc/PID/task/*/schedstat), endpoint "
-                f"on and off, same run. Allocate: one blocking caller, "
+                f"on and off, and of a bare grpcio server (bench/bench_floor.py's floor "
+                f"process), same run. Allocate: one blocking caller, "
                 f"{BLOCKS} blocks of {ALLOCATE_BLOCK} 2-GPU Allocates (about 0.4 s each) on "
                 f"one agent, in turn: no scrapes; the agent scraped every second; the same "
                 f"scraper fetching the same exposition every second from another process "
@@ -411,12 +432,17 @@ def run() -> Section:
     try:
         off, off_rss, _ = _idle_cpu(node, "")
         on, on_rss, woke = _idle_cpu(node, "127.0.0.1:0")
+        with tempfile.TemporaryDirectory(prefix="gaidle") as tmp:
+            floor = _idle_floor(tmp)
+        section.rows.append([f"idle CPU over {IDLE_S:g} s, a bare grpcio server nobody calls "
+                             f"(the floor: bench/bench_floor.py's)", f"{floor:.3f} %", "", "—",
+                             ""])
         section.rows.append([f"idle CPU over {IDLE_S:g} s, endpoint off (reference)",
                              f"{off:.3f} %", "", "—", ""])
         section.rows.append([f"idle CPU over {IDLE_S:g} s, 8 GPUs, endpoint on, not scraped",
                              f"{on:.3f} %", "", f"≤ {IDLE_TARGET:g} % of a core",
                              f"{'yes' if on <= IDLE_TARGET else '**no**'} ({on - off:+.3f} "
-                             f"points on the reference)"])
+                             f"points on the reference, {on / floor:.1f}× the floor)"])
         section.rows.append(["RSS, endpoint off (reference)", f"{off_rss:.1f} MB", "", "—", ""])
         section.rows.append(["RSS, endpoint on, not scraped", f"{on_rss:.1f} MB", "", "—",
                              f"{on_rss - off_rss:+.1f} MB"])
