@@ -13,6 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+# Before any bench module imports grpc: agent/__init__.py turns gRPC's fork support off, which
+# a bench process needs as the tests' does (tests/conftest.py): it forks agents and kubelets
+# while its own gRPC channels run.
+import agent  # noqa: F401
+
 
 @dataclass
 class Section:

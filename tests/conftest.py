@@ -20,6 +20,12 @@ from types import ModuleType
 import pynvml
 import pytest
 
+# Imported first: agent/__init__.py turns gRPC's fork support off before a test module imports
+# grpc. This process forks too (mount, the agents, the simulated kubelet) while its gRPC
+# channels and servers run; on Python 3.9, whose subprocess forks rather than vforks, grpcio
+# 1.80's fork handlers then aborted about 1 child in 2 before its exec (grpc/grpc#43055).
+import agent  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 # The modules of each implementation of agent._fast: (events, topology).
