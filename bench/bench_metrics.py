@@ -222,6 +222,16 @@ def _run_ns(pid: int) -> dict[int, int]:
     return out
 
 
+def _idle_percent(pid: int) -> tuple[float, float]:
+    """The CPU % process `pid` (all its threads) runs over the next IDLE_S, and that span in
+    seconds."""
+    before, t0 = _run_ns(pid), time.monotonic()
+    time.sleep(IDLE_S)
+    span = time.monotonic() - t0
+    ran = sum(ns - before.get(tid, 0) for tid, ns in _run_ns(pid).items())
+    return 100 * ran / 1e9 / span, span
+
+
 def _idle_floor(work: str) -> float:
     """CPU % over IDLE_S of a bare grpcio server that nobody calls: bench/bench_floor.py's
     floor process (grpc.server with the agent's worker count, one unix socket), the least a
@@ -232,11 +242,7 @@ def _idle_floor(work: str) -> float:
     floor = _Floor(work, dp.AllocateResponse().SerializeToString())
     try:
         time.sleep(2.0)
-        before, t0 = _run_ns(floor.proc.pid), time.monotonic()
-        time.sleep(IDLE_S)
-        span = time.monotonic() - t0
-        ran = sum(ns - before.get(tid, 0) for tid, ns in _run_ns(floor.proc.pid).items())
-        return 100 * ran / 1e9 / span
+        return _idle_percent(floor.proc.pid)[0]
     finally:
         floor.stop()
 
@@ -251,11 +257,7 @@ def _idle_cpu(node: Node, address: str) -> tuple[float, float, dict[str, float]]
             agent.port()
         time.sleep(2.0)  # the journal load and first reconcile after the registration
         switches = thread_switches(agent.proc.pid)
-        before, t0 = _run_ns(agent.proc.pid), time.monotonic()
-        time.sleep(IDLE_S)
-        span = time.monotonic() - t0
-        ran = sum(ns - before.get(tid, 0) for tid, ns in _run_ns(agent.proc.pid).items())
-        cpu = 100 * ran / 1e9 / span
+        cpu, span = _idle_percent(agent.proc.pid)
         woke: dict[str, float] = {}
         for tid, (name, count) in thread_switches(agent.proc.pid).items():
             n = count - switches.get(tid, (name, 0))[1]
