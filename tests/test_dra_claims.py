@@ -8,7 +8,9 @@ with nothing written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 
 import pytest
 
@@ -337,3 +339,57 @@ def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consume
     assert env_of["u-3"] is None  # all of the memory: the GPU whole, no MPS
     gpu = actions.plans[-1]["GPU-aaa"]
     assert (gpu.replicas, gpu.thread_percentage, gpu.memory_limit_mib) == (2, 50, 20480)
+
+
+def test_a_partition_waits_for_the_overlapping_mig_devices_claims_to_be_unprepared(
+        env, caplog):
+    """A pod deleted at once goes from the API server before kubelet has stopped it, so the
+    scheduler may give a 7g.80gb partition while the 1g.10gb device of the gone pod's claim is
+    still made: prepare waits for that claim's unprepare (kubelet would otherwise retry only
+    at its next sync of the pod, a minute later), and names it if it never comes."""
+    api, claims, cdi, _ = env
+    actions = Actions()
+    devices = {"gpu-3-mig-1g10gb-19-3": NodeDevice(
+                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3,
+                   (19, 3, 1)),
+               "gpu-3-mig-7g80gb-0-0": NodeDevice(
+                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 80 * GIB, 3,
+                   (0, 0, 8))}
+    c = claims(actions)
+    c.devices = lambda: devices
+    small = _claim(api, "small", "u-1", [_result("gpu-3-mig-1g10gb-19-3")])
+    c.prepare(small)
+    whole = _claim(api, "whole", "u-2", [_result("gpu-3-mig-7g80gb-0-0")])
+
+    c.overlap_wait_s = 0.2
+    with pytest.raises(ClaimError, match="claim ml/whole: its MIG device overlaps those of "
+                                         "ml/small, still prepared on this node after 0.2 s"):
+        c.prepare(whole)
+    assert actions.made == [[3, 1, 0, "MIG-made-1"]]
+
+    c.overlap_wait_s = 60
+    waiting = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "waits for ml/small to be unprepared" in record.getMessage():
+                waiting.set()
+
+    said = Said()
+    caplog.set_level(logging.INFO, logger="agent.dra.claims")
+    logging.getLogger("agent.dra.claims").addHandler(said)
+    answers = []
+    try:
+        t = threading.Thread(target=lambda: answers.append(c.prepare(whole)))
+        t.start()
+        assert waiting.wait(30)
+        assert answers == [] and actions.made == [[3, 1, 0, "MIG-made-1"]]
+        c.unprepare(small)
+        t.join(30)
+    finally:
+        logging.getLogger("agent.dra.claims").removeHandler(said)
+    [[answer]] = answers
+    assert answer.device == "gpu-3-mig-7g80gb-0-0"
+    assert actions.made == [[3, 1, 0, "MIG-made-1"]]  # the 7g one, made after the 1g went
+    assert _spec(cdi, "u-2")["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=MIG-made-1"]
+    assert list(c.prepared) == ["u-2"]

@@ -16,7 +16,9 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   spec's level: NVIDIA's names, cdi.go:45-46, 200, 300), the claim recorded, and the answer
   given: `k8s.gpu.nvidia.com/claim=<uid>-<device>` per device (device_state.go:827-835), with
   its shareID. A refused claim leaves nothing: no spec, no record, no MIG device made, no MPS
-  daemon it alone needed (a time slice set stays set, as with NVIDIA's driver).
+  daemon it alone needed (a time slice set stays set, as with NVIDIA's driver). A partition
+  that overlaps a MIG device still prepared for another claim (its pod deleted, kubelet not
+  yet done with it) waits up to OVERLAP_WAIT_S for that claim's unprepare.
 - unprepare: the spec removed, the MIG devices made for it destroyed, then the record, and
   the MPS daemons no claim needs any more told to quit; a claim not recorded is already
   unprepared.
@@ -59,6 +61,9 @@ STATE_FILE = "dra-claims.msgpack"
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 MPS_PIPE = "/tmp/nvidia-mps"  # NVIDIA's DRA driver's CUDA_MPS_PIPE_DIRECTORY (sharing.go:385)
 MPS_MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "bind"]  # sharing.go:386-398
+# How long a prepare waits for the claims whose MIG devices overlap its partition to be
+# unprepared, under kubelet's 45 s for the call (dra_plugin.go defaultClientCallTimeout)
+OVERLAP_WAIT_S = 30.0
 
 
 class NodeDevice(NamedTuple):
@@ -125,6 +130,8 @@ class Claims:
         self.dev_root = dev_root
         self.path = os.path.join(state_dir, STATE_FILE)
         self._lock = threading.Lock()
+        self._unprepared = threading.Condition(self._lock)  # notified after each unprepare
+        self.overlap_wait_s = OVERLAP_WAIT_S
         self.prepared: dict[str, list] = self._load()
 
     # -- prepare ----------------------------------------------------------------------------
@@ -132,10 +139,13 @@ class Claims:
     def prepare(self, claim: ClaimRef) -> list[Prepared]:
         with self._lock:
             held = self.prepared.get(claim.uid)
+            if held is None:
+                results, pods, configs = self._results(claim)
+                self._await_overlaps(claim, results)
+                held = self.prepared.get(claim.uid)  # a repeated call prepared it meanwhile
             if held is not None:
                 return [Prepared(tuple(r), p, d, tuple(c), share.share_id)
                         for (r, p, d, c), share in zip(held[2], _shares(held))]
-            results, pods, configs = self._results(claim)
             known = self.devices()
             where = f"claim {claim.namespace}/{claim.name}"
             shares = sharing.shares(results, configs, known, where)
@@ -149,6 +159,47 @@ class Claims:
             except Exception:  # not prepared: nothing left made or running for it
                 self._undo(made, any(s.strategy == MPS for s in shares))
                 raise
+
+    def _await_overlaps(self, claim: ClaimRef, results: list[dict]) -> None:
+        """Wait (the lock released) until no claim prepared here holds a MIG device made at
+        prepare that overlaps a partition `claim` asks for. The scheduler allocated the
+        partition, so those claims are deallocated and kubelet unprepares them once their
+        pods are gone (a pod deleted at once goes from the API server before kubelet has
+        stopped it); failing instead would leave the claim's pod to kubelet's next sync, a
+        minute later. ClaimError, naming them, after `overlap_wait_s`."""
+        deadline = time.monotonic() + self.overlap_wait_s
+        said = False
+        while True:
+            holders = self._overlapping(claim.uid, results, self.devices())
+            left = deadline - time.monotonic()
+            if not holders:
+                return
+            names = ", ".join(holders)
+            if left <= 0:
+                raise ClaimError(f"claim {claim.namespace}/{claim.name}: its MIG device "
+                                 f"overlaps those of {names}, still prepared on this node "
+                                 f"after {self.overlap_wait_s:g} s")
+            if not said:
+                log.info("claim %s/%s waits for %s to be unprepared: their MIG devices "
+                         "overlap its own", claim.namespace, claim.name, names)
+                said = True
+            self._unprepared.wait(left)
+
+    def _overlapping(self, uid: str, results: list[dict], known: Mapping[str, NodeDevice]
+                     ) -> list[str]:
+        """The claims prepared here (not `uid`) holding a MIG device made at prepare that
+        shares a memory slice with a partition of `results`, as namespace/name."""
+        wanted = [known[r["device"]] for r in results
+                  if r["device"] in known and known[r["device"]].partition]
+        if not wanted:
+            return []
+        out = []
+        for other, held in self.prepared.items():
+            mine = [known[d[2]] for d, m in zip(held[2], held[6] if len(held) > 6 else ())
+                    if m and d[2] in known and known[d[2]].partition]
+            if other != uid and any(_overlap(a, b) for a in wanted for b in mine):
+                out.append(f"{held[0]}/{held[1]}")
+        return sorted(out)
 
     def _make(self, results: list[dict], known: Mapping[str, NodeDevice]
               ) -> tuple[dict[str, NodeDevice], list[list]]:
@@ -330,6 +381,7 @@ class Claims:
                 if m:  # failing: kubelet calls again; one already gone is skipped
                     self.actions.unmake(m)
             self._save({k: v for k, v in self.prepared.items() if k != claim.uid})
+            self._unprepared.notify_all()
             log.info("claim %s/%s (%s) unprepared", claim.namespace, claim.name, claim.uid)
             if any(share.strategy == MPS for share in _shares(held)):
                 self.sync_mps()  # a daemon no claim needs any more quits
@@ -371,6 +423,12 @@ def _shares(record: list) -> list[Share]:
     if len(record) > 5:
         return [Share(*share) for share in record[5]]
     return [Share() for _ in record[2]]
+
+
+def _overlap(a: NodeDevice, b: NodeDevice) -> bool:
+    """Partitions `a` and `b` share a memory slice of one GPU."""
+    (_, start_a, size_a), (_, start_b, size_b) = a.partition, b.partition
+    return a.index == b.index and start_a < start_b + size_b and start_b < start_a + size_a
 
 
 def _node(path: str, host: str) -> dict:
