@@ -137,7 +137,7 @@ e2e: build e2e-build
 	@scripts/apt-install $(APT_E2E)
 	@for v in $(E2E_K8S); do \
 	  start=$$(date +%s); \
-	  $(VPY) -m pytest -q -p no:cacheprovider tests/e2e --k8s $$v || exit 1; \
+	  $(VPY) -m pytest -q -p no:cacheprovider --durations=10 tests/e2e --k8s $$v || exit 1; \
 	  echo "e2e on Kubernetes $$v: passed in $$(( $$(date +%s) - start )) s"; \
 	done
 
