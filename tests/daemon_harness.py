@@ -12,6 +12,7 @@ agent's log when it runs out; nothing here asserts on timing.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -323,18 +324,47 @@ class NotifySocket:
 class ReadOnlyMount:
     """A read-only bind mount of `path` over itself while in the `with` block: new files and
     renames there fail with EROFS, as after the kernel remounted a failing disk read-only;
-    files opened before keep their writes (they belong to the mount underneath)."""
+    files opened before keep their writes (they belong to the mount underneath).
+
+    The mount is read-only from the moment it appears (open_tree's detached copy is made
+    read-only, then attached: Linux 5.12's mount API). `mount --bind` then `mount -o
+    remount,bind,ro` left a window in which the running agent could open a file for writing
+    through the new mount (its status file), and the remount then failed with "mount point is
+    busy"; util-linux before 2.39 does the same two steps for `mount -o bind,ro`."""
 
     def __init__(self, path: str):
         self.path = path
 
     def __enter__(self):
-        subprocess.run(["mount", "--bind", self.path, self.path], check=True)
-        subprocess.run(["mount", "-o", "remount,bind,ro", self.path], check=True)
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def call(number: int, *args) -> int:
+            result = libc.syscall(ctypes.c_long(number), *(
+                ctypes.c_long(a) if isinstance(a, int) else a for a in args))
+            if result < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syscall {number} on {self.path}: {os.strerror(err)}")
+            return result
+
+        path = os.fsencode(self.path)
+        tree = call(_SYS_OPEN_TREE, _AT_FDCWD, path, _OPEN_TREE_CLONE | _O_CLOEXEC)
+        try:
+            # struct mount_attr: attr_set, attr_clr, propagation, userns_fd
+            attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+            call(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, attr, ctypes.sizeof(attr))
+            call(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, path, _MOVE_MOUNT_F_EMPTY_PATH)
+        finally:
+            os.close(tree)
         return self
 
     def __exit__(self, *exc):
         subprocess.run(["umount", self.path], check=True)
+
+
+# linux/mount.h, fcntl.h; the new mount calls have one number on every architecture
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+_AT_FDCWD, _AT_EMPTY_PATH, _O_CLOEXEC = -100, 0x1000, 0o2000000
+_OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH, _MOUNT_ATTR_RDONLY = 1, 0x4, 0x1
 
 
 def write_files(root: str, files: Mapping[str, bytes]) -> None:
