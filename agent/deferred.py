@@ -77,7 +77,9 @@ class DeferredModule(types.ModuleType):
     def __getattr__(self, name: str):
         # Only called for names not in __dict__: before the load, or names the module lacks.
         state = self.__dict__.get(_STATE)
-        if state is None or (name.startswith("__") and name != "__all__"):
+        if state is None:  # loaded, perhaps by another thread since this lookup missed
+            return self._loaded(name)
+        if name.startswith("__") and name != "__all__":
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
         if name in state.forwarded:
             return _forwarder(self, name)
@@ -95,6 +97,10 @@ class DeferredModule(types.ModuleType):
                 finally:
                     state.loading_thread = None
             self._load(state)
+        return self._loaded(name)
+
+    def _loaded(self, name: str):
+        """`name` of the loaded module (AttributeError if it has none)."""
         try:
             return self.__dict__[name]
         except KeyError:

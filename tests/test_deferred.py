@@ -199,6 +199,29 @@ def test_threads_that_race_to_first_use_get_the_same_module_contents():
     assert got == {"distinct": 1, "calls": 8}
 
 
+def test_a_lookup_that_missed_just_before_another_threads_load_ended_gets_the_name():
+    """A thread's lookup of `ctypes.util.find_library` can miss the module's dict while
+    another thread runs the module's code, and reach the stand-in's __getattr__ just after
+    that load has ended. It got AttributeError: CI saw the agent's registrar thread die so
+    (pyinotify calls ctypes.util.find_library, and the isolation watch's pyinotify had
+    started the load), and the agent never registered again after kubelet restarted. That
+    interleaving, made here in one thread: the load ends, then __getattr__ runs."""
+    got = _python("""
+        import ctypes.util
+        ctypes.util.find_library("c")  # loads it
+        late = type(ctypes.util).__getattr__(ctypes.util, "find_library")
+        try:
+            type(ctypes.util).__getattr__(ctypes.util, "no_such_name")
+            missing = "found"
+        except AttributeError as exc:
+            missing = str(exc)
+        print(json.dumps({"loaded": is_loaded("ctypes.util"),
+                          "same": late is ctypes.util.find_library, "missing": missing}))
+    """)
+    assert got == {"loaded": True, "same": True,
+                   "missing": "module 'ctypes.util' has no attribute 'no_such_name'"}
+
+
 def test_nothing_is_deferred_once_imported():
     got = _python("""
         import asyncio as before
