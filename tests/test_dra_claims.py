@@ -393,3 +393,60 @@ def test_a_partition_waits_for_the_overlapping_mig_devices_claims_to_be_unprepar
     assert actions.made == [[3, 1, 0, "MIG-made-1"]]  # the 7g one, made after the 1g went
     assert _spec(cdi, "u-2")["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=MIG-made-1"]
     assert list(c.prepared) == ["u-2"]
+
+
+def test_a_waiting_partition_ends_when_kubelet_unprepares_it_and_waiters_are_bounded(
+        env, caplog):
+    """Kubelet gives up on a call after 45 s and may unprepare the claim (its pod deleted)
+    while the prepare still waits: the prepare ends then, making nothing, or the MIG device
+    it made would stand with no claim to unprepare it. And only a few prepares wait at once
+    (each holds one of the DRA server's workers, which the unprepares they wait for need)."""
+    api, claims, cdi, _ = env
+    actions = Actions()
+    devices = {"gpu-3-mig-1g10gb-19-3": NodeDevice(
+                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3,
+                   (19, 3, 1)),
+               "gpu-3-mig-3g40gb-9-0": NodeDevice(
+                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 40 * GIB, 3,
+                   (9, 0, 4))}
+    c = claims(actions)
+    c.devices = lambda: devices
+    c.prepare(_claim(api, "small", "u-1", [_result("gpu-3-mig-1g10gb-19-3")]))
+    half = _claim(api, "half", "u-2", [_result("gpu-3-mig-3g40gb-9-0")])
+
+    c.overlap_waiters = 0
+    with pytest.raises(ClaimError, match=r"claim ml/half: its MIG device overlaps those of "
+                                         r"ml/small, still prepared on this node \(0 prepares "
+                                         r"wait already\)"):
+        c.prepare(half)
+
+    c.overlap_waiters, c.overlap_wait_s = 4, 60
+    waiting = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "claim ml/half waits for ml/small" in record.getMessage():
+                waiting.set()
+
+    said = Said()
+    caplog.set_level(logging.INFO, logger="agent.dra.claims")
+    logging.getLogger("agent.dra.claims").addHandler(said)
+    errors = []
+
+    def prepare():
+        try:
+            c.prepare(half)
+        except ClaimError as exc:
+            errors.append(str(exc))
+
+    try:
+        t = threading.Thread(target=prepare)
+        t.start()
+        assert waiting.wait(30)
+        c.unprepare(half)  # kubelet: the pod went while its prepare waited
+        t.join(30)
+    finally:
+        logging.getLogger("agent.dra.claims").removeHandler(said)
+    assert errors == ["claim ml/half: unprepared while its prepare waited"]
+    assert actions.made == [[3, 1, 0, "MIG-made-1"]] and list(c.prepared) == ["u-1"]
+    assert not os.path.exists(os.path.join(cdi, "k8s.gpu.nvidia.com-claim_u-2.json"))

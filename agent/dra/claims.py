@@ -18,7 +18,8 @@ Owns: `Claims.prepare(claim)` and `Claims.unprepare(claim)`, agent.dra.plugin's 
   its shareID. A refused claim leaves nothing: no spec, no record, no MIG device made, no MPS
   daemon it alone needed (a time slice set stays set, as with NVIDIA's driver). A partition
   that overlaps a MIG device still prepared for another claim (its pod deleted, kubelet not
-  yet done with it) waits up to OVERLAP_WAIT_S for that claim's unprepare.
+  yet done with it) waits up to OVERLAP_WAIT_S for that claim's unprepare (OVERLAP_WAITERS
+  prepares at most; an unprepare of the waiting claim ends its wait, with nothing made).
 - unprepare: the spec removed, the MIG devices made for it destroyed, then the record, and
   the MPS daemons no claim needs any more told to quit; a claim not recorded is already
   unprepared.
@@ -64,6 +65,9 @@ MPS_MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "bind"]  # sharing.go:386-398
 # How long a prepare waits for the claims whose MIG devices overlap its partition to be
 # unprepared, under kubelet's 45 s for the call (dra_plugin.go defaultClientCallTimeout)
 OVERLAP_WAIT_S = 30.0
+# How many prepares may wait so at once: each holds one of agent.dra.plugin's 8 workers, and
+# the unprepares they wait for (and the health stream) need workers too
+OVERLAP_WAITERS = 4
 
 
 class NodeDevice(NamedTuple):
@@ -132,6 +136,8 @@ class Claims:
         self._lock = threading.Lock()
         self._unprepared = threading.Condition(self._lock)  # notified after each unprepare
         self.overlap_wait_s = OVERLAP_WAIT_S
+        self.overlap_waiters = OVERLAP_WAITERS
+        self._waiting: dict[str, bool] = {}  # claim UID -> unprepared while it waits
         self.prepared: dict[str, list] = self._load()
 
     # -- prepare ----------------------------------------------------------------------------
@@ -166,24 +172,34 @@ class Claims:
         partition, so those claims are deallocated and kubelet unprepares them once their
         pods are gone (a pod deleted at once goes from the API server before kubelet has
         stopped it); failing instead would leave the claim's pod to kubelet's next sync, a
-        minute later. ClaimError, naming them, after `overlap_wait_s`."""
+        minute later. ClaimError, naming them, after `overlap_wait_s`, at once when
+        `overlap_waiters` prepares wait already, and when kubelet unprepares `claim` itself
+        meanwhile (it gave up on the call: a device made now would never be unprepared)."""
+        where = f"claim {claim.namespace}/{claim.name}"
+        holders = self._overlapping(claim.uid, results, self.devices())
+        if not holders:
+            return
+        if len(self._waiting) >= self.overlap_waiters or claim.uid in self._waiting:
+            raise ClaimError(f"{where}: its MIG device overlaps those of {', '.join(holders)}, "
+                             f"still prepared on this node ({len(self._waiting)} prepares "
+                             f"wait already)")
+        log.info("%s waits for %s to be unprepared: their MIG devices overlap its own", where,
+                 ", ".join(holders))
         deadline = time.monotonic() + self.overlap_wait_s
-        said = False
-        while True:
-            holders = self._overlapping(claim.uid, results, self.devices())
-            left = deadline - time.monotonic()
-            if not holders:
-                return
-            names = ", ".join(holders)
-            if left <= 0:
-                raise ClaimError(f"claim {claim.namespace}/{claim.name}: its MIG device "
-                                 f"overlaps those of {names}, still prepared on this node "
-                                 f"after {self.overlap_wait_s:g} s")
-            if not said:
-                log.info("claim %s/%s waits for %s to be unprepared: their MIG devices "
-                         "overlap its own", claim.namespace, claim.name, names)
-                said = True
-            self._unprepared.wait(left)
+        self._waiting[claim.uid] = False
+        try:
+            while holders:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClaimError(f"{where}: its MIG device overlaps those of "
+                                     f"{', '.join(holders)}, still prepared on this node "
+                                     f"after {self.overlap_wait_s:g} s")
+                self._unprepared.wait(left)
+                if self._waiting[claim.uid]:  # kubelet gave up on it: nothing is made
+                    raise ClaimError(f"{where}: unprepared while its prepare waited")
+                holders = self._overlapping(claim.uid, results, self.devices())
+        finally:
+            del self._waiting[claim.uid]
 
     def _overlapping(self, uid: str, results: list[dict], known: Mapping[str, NodeDevice]
                      ) -> list[str]:
@@ -370,8 +386,11 @@ class Claims:
     def unprepare(self, claim: ClaimRef) -> None:
         with self._lock:
             held = self.prepared.get(claim.uid)
-            if held is None:
-                return  # never prepared here, or unprepared already
+            if held is None:  # never prepared here, or unprepared already
+                if claim.uid in self._waiting:  # its prepare waits: it ends, making nothing
+                    self._waiting[claim.uid] = True
+                    self._unprepared.notify_all()
+                return
             try:
                 _remove(held[3])
             except OSError as exc:
