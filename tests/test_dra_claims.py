@@ -7,6 +7,7 @@ with nothing written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -341,6 +342,38 @@ def test_shares_of_a_shareable_gpu_get_mps_limits_from_the_capacity_they_consume
     assert (gpu.replicas, gpu.thread_percentage, gpu.memory_limit_mib) == (2, 50, 20480)
 
 
+def _partition(memory_gib: int, placement: tuple[int, int, int]) -> NodeDevice:
+    return NodeDevice("GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig",
+                      memory_gib * GIB, 3, placement)
+
+
+# Three placements of GPU 3 (profile ID, start, size): 1g.10gb at slice 3, 3g.40gb at 0-3,
+# 7g.80gb at 0-7; the first overlaps each of the others
+GPU3_PARTITIONS = {"gpu-3-mig-1g10gb-19-3": _partition(10, (19, 3, 1)),
+                   "gpu-3-mig-3g40gb-9-0": _partition(40, (9, 0, 4)),
+                   "gpu-3-mig-7g80gb-0-0": _partition(80, (0, 0, 8))}
+
+
+@contextlib.contextmanager
+def _logged(caplog, text: str):
+    """An Event set once agent.dra.claims logs a line holding `text` (what a waiting prepare
+    says: the test waits for that, not for a time)."""
+    seen = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if text in record.getMessage():
+                seen.set()
+
+    handler, logger = Seen(), logging.getLogger("agent.dra.claims")
+    caplog.set_level(logging.INFO, logger=logger.name)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_a_partition_waits_for_the_overlapping_mig_devices_claims_to_be_unprepared(
         env, caplog):
     """A pod deleted at once goes from the API server before kubelet has stopped it, so the
@@ -349,14 +382,8 @@ def test_a_partition_waits_for_the_overlapping_mig_devices_claims_to_be_unprepar
     at its next sync of the pod, a minute later), and names it if it never comes."""
     api, claims, cdi, _ = env
     actions = Actions()
-    devices = {"gpu-3-mig-1g10gb-19-3": NodeDevice(
-                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3,
-                   (19, 3, 1)),
-               "gpu-3-mig-7g80gb-0-0": NodeDevice(
-                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 80 * GIB, 3,
-                   (0, 0, 8))}
     c = claims(actions)
-    c.devices = lambda: devices
+    c.devices = lambda: GPU3_PARTITIONS
     small = _claim(api, "small", "u-1", [_result("gpu-3-mig-1g10gb-19-3")])
     c.prepare(small)
     whole = _claim(api, "whole", "u-2", [_result("gpu-3-mig-7g80gb-0-0")])
@@ -368,26 +395,14 @@ def test_a_partition_waits_for_the_overlapping_mig_devices_claims_to_be_unprepar
     assert actions.made == [[3, 1, 0, "MIG-made-1"]]
 
     c.overlap_wait_s = 60
-    waiting = threading.Event()
-
-    class Said(logging.Handler):
-        def emit(self, record):
-            if "waits for ml/small to be unprepared" in record.getMessage():
-                waiting.set()
-
-    said = Said()
-    caplog.set_level(logging.INFO, logger="agent.dra.claims")
-    logging.getLogger("agent.dra.claims").addHandler(said)
     answers = []
-    try:
+    with _logged(caplog, "waits for ml/small to be unprepared") as waiting:
         t = threading.Thread(target=lambda: answers.append(c.prepare(whole)))
         t.start()
         assert waiting.wait(30)
         assert answers == [] and actions.made == [[3, 1, 0, "MIG-made-1"]]
         c.unprepare(small)
         t.join(30)
-    finally:
-        logging.getLogger("agent.dra.claims").removeHandler(said)
     [[answer]] = answers
     assert answer.device == "gpu-3-mig-7g80gb-0-0"
     assert actions.made == [[3, 1, 0, "MIG-made-1"]]  # the 7g one, made after the 1g went
@@ -403,14 +418,8 @@ def test_a_waiting_partition_ends_when_kubelet_unprepares_it_and_waiters_are_bou
     (each holds one of the DRA server's workers, which the unprepares they wait for need)."""
     api, claims, cdi, _ = env
     actions = Actions()
-    devices = {"gpu-3-mig-1g10gb-19-3": NodeDevice(
-                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 10 * GIB, 3,
-                   (19, 3, 1)),
-               "gpu-3-mig-3g40gb-9-0": NodeDevice(
-                   "GPU-ddd", (("/dev/nvidia3", "/drv/dev/nvidia3"),), "mig", 40 * GIB, 3,
-                   (9, 0, 4))}
     c = claims(actions)
-    c.devices = lambda: devices
+    c.devices = lambda: GPU3_PARTITIONS
     c.prepare(_claim(api, "small", "u-1", [_result("gpu-3-mig-1g10gb-19-3")]))
     half = _claim(api, "half", "u-2", [_result("gpu-3-mig-3g40gb-9-0")])
 
@@ -421,16 +430,6 @@ def test_a_waiting_partition_ends_when_kubelet_unprepares_it_and_waiters_are_bou
         c.prepare(half)
 
     c.overlap_waiters, c.overlap_wait_s = 4, 60
-    waiting = threading.Event()
-
-    class Said(logging.Handler):
-        def emit(self, record):
-            if "claim ml/half waits for ml/small" in record.getMessage():
-                waiting.set()
-
-    said = Said()
-    caplog.set_level(logging.INFO, logger="agent.dra.claims")
-    logging.getLogger("agent.dra.claims").addHandler(said)
     errors = []
 
     def prepare():
@@ -439,14 +438,12 @@ def test_a_waiting_partition_ends_when_kubelet_unprepares_it_and_waiters_are_bou
         except ClaimError as exc:
             errors.append(str(exc))
 
-    try:
+    with _logged(caplog, "claim ml/half waits for ml/small") as waiting:
         t = threading.Thread(target=prepare)
         t.start()
         assert waiting.wait(30)
         c.unprepare(half)  # kubelet: the pod went while its prepare waited
         t.join(30)
-    finally:
-        logging.getLogger("agent.dra.claims").removeHandler(said)
     assert errors == ["claim ml/half: unprepared while its prepare waited"]
     assert actions.made == [[3, 1, 0, "MIG-made-1"]] and list(c.prepared) == ["u-1"]
     assert not os.path.exists(os.path.join(cdi, "k8s.gpu.nvidia.com-claim_u-2.json"))
