@@ -134,6 +134,10 @@ def test_an_unchanged_pod_asking_nvidia_com_gpu_2_runs_through_dra(node, dra, k8
     assert seen.nodes == {f"nvidia{gpus[u]['minor']}" for u in uuids}, seen.raw
 
 
+# after the restart the slice is published before kubelet registers the plugin again, and a
+# prepare refused then is retried at kubelet's next sync of the pod, 60-90 s later (docs/dra.md,
+# Not yet): more than the default 120 s on a busy machine
+@pytest.mark.timeout(300)
 def test_an_xid_79_taints_the_gpu_in_the_slice_until_the_node_reboots(node, dra, k8s_version):
     """KEP-5055 (device taints GA in 1.37): XID 79 (reboot class) on the GPU a running pod's
     claim holds taints its device NoExecute in the slice, so kube-controller-manager's device
