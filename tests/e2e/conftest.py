@@ -286,11 +286,8 @@ class E2ENode:
         return self.wait_pod(name, running, "Running", timeout)
 
     def wait_unschedulable(self, name: str, timeout: float = 60) -> dict:
-        """Until the scheduler says the pod does not fit (PodScheduled False, Unschedulable)."""
-        return self.wait_pod(name, lambda p: any(
-            c["type"] == "PodScheduled" and c["status"] == "False"
-            and c.get("reason") == "Unschedulable" for c in p["status"].get("conditions", [])),
-            "Unschedulable", timeout)
+        """Until the scheduler says the pod does not fit (`unschedulable`)."""
+        return self.wait_pod(name, unschedulable, "Unschedulable", timeout)
 
     def delete_pods(self, *names: str, wait: bool = True) -> None:
         for name in names or list(self.pods):
@@ -431,6 +428,13 @@ def minors(uuids, profile: str = "dgx1-v100") -> set[str]:
     """The /dev/nvidia<minor> names of the GPUs with these UUIDs."""
     by_uuid = {g["uuid"]: g for g in profile_gpus(profile)}
     return {f"nvidia{by_uuid[u]['minor']}" for u in uuids}
+
+
+def unschedulable(pod: dict) -> bool:
+    """The scheduler says `pod` does not fit (PodScheduled False, Unschedulable)."""
+    return any(c["type"] == "PodScheduled" and c["status"] == "False"
+               and c.get("reason") == "Unschedulable"
+               for c in pod["status"].get("conditions", []))
 
 
 def write_result(results: dict, key: str, value) -> None:

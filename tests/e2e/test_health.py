@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from agent.sim import control
-from tests.e2e.conftest import GPU, POLL, profile_gpus, write_result
+from tests.e2e.conftest import GPU, POLL, profile_gpus, unschedulable, write_result
 from tests.e2e.kube import pod_phase
 
 
@@ -50,9 +50,8 @@ def test_xid_79_withdraws_the_gpu_until_the_node_reboots(node):
     # device manager: 7 healthy) then fails it. The withdrawn GPU is not handed out either way;
     # a pod made again once the scheduler has caught up waits.
     node.create_pod("all-eight", {GPU: 8})
-    pod = node.wait_pod("all-eight", lambda p: pod_phase(p) == "Failed" or any(
-        c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
-        for c in p["status"].get("conditions", [])), "Unschedulable or refused at admission")
+    pod = node.wait_pod("all-eight", lambda p: pod_phase(p) == "Failed" or unschedulable(p),
+                        "Unschedulable or refused at admission")
     if pod_phase(pod) == "Failed":
         assert "Requested: 8, Available: 7" in pod["status"].get("message", ""), pod["status"]
         node.delete_pods("all-eight")
