@@ -59,6 +59,7 @@ class Daemon:
         self.started = time.time()
         self.phase = "starting"
         self.stop_requested = False
+        self.died: list[str] = []  # threads that ended by an exception (_thread_died)
         self.nvml = NvmlSession(on_change=self._wake)
         self.state: Any = None  # the allocation journal and its reconciler (AllocationState)
         self.resources = Resources()
@@ -87,6 +88,7 @@ class Daemon:
     def run(self) -> int:
         threadnames.install()  # top -H and /proc/PID/task/*/comm name each thread
         self._waiter = Waiter()
+        default_hook, threading.excepthook = threading.excepthook, self._thread_died
         try:
             self.cfg = self._load_config()
             check_supported(self.cfg)
@@ -110,7 +112,24 @@ class Daemon:
             self._loop()
         finally:
             self._shutdown()
-        return 0
+            threading.excepthook = default_hook
+        return 1 if self.died else 0
+
+    def _thread_died(self, args: threading.ExceptHookArgs) -> None:
+        """threading.excepthook while the agent runs. A thread that ends by an exception leaves
+        the agent running without what it did (the registrar's death: no registration after
+        kubelet's next restart, so kubelet loses the resource), so the agent stops, cleanly,
+        with exit code 1, and systemd (Restart=always) starts a whole one."""
+        if args.exc_type is SystemExit:
+            return  # a thread's way to end, as Python's own hook takes it
+        name = args.thread.name if args.thread is not None else "?"
+        log.critical("thread %s died: %s: %s; the agent stops (exit code 1) to be started "
+                     "again whole", name, args.exc_type.__name__, args.exc_value,
+                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+        self.died.append(name)
+        self.last_error = f"thread {name} died: {args.exc_type.__name__}: {args.exc_value}"
+        self.stop_requested = True
+        self._waiter.wake()
 
     def _start_state(self) -> None:
         """Load the allocation journal (a bad one is set aside) and start reconciling."""

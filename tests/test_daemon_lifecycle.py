@@ -225,6 +225,39 @@ def test_missing_nvml_library_exits_naming_the_path(node):
     assert f"cannot open NVML library {node.path('no/libnvidia-ml.so.1')}" in agent.log
 
 
+# -- a thread's death ----------------------------------------------------------------------------
+
+
+def test_a_thread_that_dies_of_an_exception_stops_the_agent_with_exit_code_1(node):
+    """A thread that ends by an exception left the agent serving without it (the registrar
+    did, of a race in agent/deferred.py: no registration after kubelet's next restart). The
+    agent stops cleanly instead, naming the thread, and exits 1, so that systemd's
+    Restart=always starts a whole one. The death is a thread tests/inject starts in the
+    agent's process, which raises when asked; the agent's code is not touched."""
+    trigger = node.path("die-now")
+    agent = node.agent(env=node.env(PYTHONPATH=os.path.join(ROOT, "tests", "inject"),
+                                    THREAD_DEATH_FILE=trigger))
+    agent.wait_registered()
+    open(trigger, "w").close()
+    assert agent.wait_exit() == 1, agent.log
+    log = agent.log
+    assert "CRITICAL agent.daemon: thread doomed died: RuntimeError: injected by the test; " \
+        "the agent stops (exit code 1)" in log, log
+    assert 'raise RuntimeError("injected by the test")' in log  # the traceback, once
+    assert "gpu-agent stopped" in log
+    assert not os.path.lexists(node.plugin_socket)
+    out = run_gpu_agent("status", "--state-dir", node.state, env=clean_env(), check=False).stdout
+    assert "last error: thread doomed died: RuntimeError: injected by the test" in out, out
+
+
+def test_without_the_injected_thread_the_same_agent_stops_with_exit_code_0(node):
+    """The other side of the test above: the inject path alone changes nothing."""
+    agent = node.agent(env=node.env(PYTHONPATH=os.path.join(ROOT, "tests", "inject")))
+    agent.wait_registered()
+    assert agent.stop() == 0, agent.log
+    assert "died" not in agent.log
+
+
 # -- bad configuration: one test per kind of bad value, through `run` ---------------------------
 
 BAD_CONFIG = [
