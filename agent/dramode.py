@@ -5,7 +5,9 @@ agent.nvml.identity adds) into agent.dra.slices' devices and the claims' view of
 client (agent.kubeconfig) and the node's name (agent.nodeName); publishing the ResourceSlice
 after each read (start, reload, NVML back) and each change of the devices' health (by the
 `dra-slices` thread, at once), retried every RETRY_S while the API server refuses or does not
-answer (the thread sleeps otherwise); and the kubelet plugin (agent.dra.plugin, in
+answer (the thread sleeps otherwise), and held until kubelet has registered the plugin once
+(a pod the scheduler placed on a slice kubelet cannot prepare yet would wait for kubelet's next
+sync of it, a minute or more); and the kubelet plugin (agent.dra.plugin, in
 agent.kubeletDir's plugins_registry and plugins directories) answering from agent.dra.claims,
 whose CDI specs go to the last of agent.cdiSpecDirs; and each device the health monitor
 withdraws tainted in the slice (agent.dra.slices.with_taints) until it is back, and reported
@@ -34,6 +36,8 @@ from agent.nvml import driver, identity, mig, partitions
 log = logging.getLogger(__name__)
 
 RETRY_S = 10.0
+# the slice waits for kubelet's registration of the plugin; a warning says so after this long
+REGISTRATION_WARN_S = 60.0
 
 
 class DraMode:
@@ -70,6 +74,7 @@ class DraMode:
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
                                 on_change=self._plugin_changed)
         self._registered = False
+        self.held = False  # a publication waits for kubelet's first registration
         self.error = ""
         self._lock = threading.Lock()  # the devices and one publication at a time
         self._due = threading.Event()  # a publication is wanted (a change, or a failure)
@@ -182,6 +187,13 @@ class DraMode:
 
     def _publish(self) -> bool:
         with self._lock:
+            if not self.plugin.registrations:
+                if not self.held:
+                    log.info("ResourceSlice of %s: published once kubelet registers the DRA "
+                             "plugin (%s)", self.node, self.plugin.registration_socket)
+                self.held = True  # _plugin_changed publishes at the registration
+                return True
+            self.held = False
             try:
                 self.publisher.publish(self.devices, self.more)
             except AgentError as exc:
@@ -197,8 +209,18 @@ class DraMode:
 
     def _run(self) -> None:
         """Asleep until a publication is wanted; after a failure, a try every RETRY_S until
-        one succeeds."""
+        one succeeds. A warning if kubelet has not registered the plugin REGISTRATION_WARN_S
+        after the start."""
+        warn_at: float | None = time.monotonic() + REGISTRATION_WARN_S
         while True:
+            if warn_at is not None and not self._due.wait(max(0.0, warn_at - time.monotonic())):
+                warn_at = None
+                if not self.plugin.registrations:
+                    log.warning("kubelet has not registered the DRA plugin in %g s: the "
+                                "ResourceSlice of %s waits for it. Is kubelet running, and "
+                                "is %s under its --root-dir?", REGISTRATION_WARN_S, self.node,
+                                self.plugin.registration_socket)
+                continue
             self._due.wait()
             self._due.clear()
             if self._stopped.is_set():
@@ -214,6 +236,7 @@ class DraMode:
                 "tainted": {n: f"{r} ({effect})" for n, (r, _, effect) in
                             sorted(self.taints.items())},
                 "sliceGeneration": self.publisher.generation, "error": self.error,
+                "held": self.held,
                 "registered": self.plugin.registered,
                 "registrations": self.plugin.registrations,
                 "preparedClaims": sorted(f"{c['namespace']}/{c['name']}" for c in claims),

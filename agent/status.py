@@ -305,7 +305,9 @@ def format_status(doc: dict) -> str:
         r = doc["dra"]
         lines.append(f"DRA driver {r['driver']} on node {r['node']}: {r['devices']} devices in "
                      f"its ResourceSlice (pool generation {r['sliceGeneration']}"
-                     + (f"; not published: {r['error']}" if r["error"] else "") + "); kubelet "
+                     + (f"; not published: {r['error']}" if r["error"] else "")
+                     + ("; published once kubelet registers the plugin" if r.get("held") else "")
+                     + "); kubelet "
                      + {True: "registered it", False: "refused it", None: "has not registered "
                         "it yet"}[r["registered"]]
                      + ("; tainted: " + ", ".join(f"{n}: {why}" for n, why in

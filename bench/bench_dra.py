@@ -23,6 +23,8 @@ from agent._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from agent._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
+from agent._proto.pluginregistration.v1 import api_pb2 as reg
+from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from bench import (
@@ -63,8 +65,13 @@ def _claims(work: str, env: dict) -> tuple[list[float], list[float]]:
     socket = os.path.join(work, "plugins", DRIVER, "dra.sock")
     prepare, unprepare = [], []
     try:
+        registration = os.path.join(work, "plugins_registry", f"{DRIVER}-reg.sock")
+        wait_until(lambda: os.path.exists(registration), "the registration socket")
+        with _channel(registration) as ch:  # as kubelet's plugin watcher: the slice waits for it
+            reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+                reg.RegistrationStatus(plugin_registered=True), timeout=10)
         wait_until(lambda: os.path.exists(socket) and f"{NODE}-{DRIVER}" in api.slices,
-              "DRA socket and slice")
+                   "DRA socket and slice")
         with _channel(socket) as ch:
             stub = v1_grpc.DRAPluginStub(ch)
             for i in range(WARMUP + CLAIMS):

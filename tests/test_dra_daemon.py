@@ -36,17 +36,33 @@ def node():
         yield n
 
 
-def _start(node: Node, api: KubeApi, *args: str):
-    """The agent in DRA mode: `args` say so (default --mode dra)."""
+def _start(node: Node, api: KubeApi, *args: str, register: bool = True):
+    """The agent in DRA mode (`args` say so, default --mode dra); with `register`, kubelet's
+    plugin watcher played (GetInfo, then registered) and the slice published."""
     api.kubeconfig(node.kubeconfig)
     agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
                        "--kubelet-dir", node.root, *(args or ("--mode", "dra")))
-    api.wait(lambda: SLICE in api.slices, "the ResourceSlice")
+    if register:
+        _register(node, agent)
+        api.wait(lambda: SLICE in api.slices, "the ResourceSlice")
     return agent
 
 
 def _channel(path: str) -> grpc.Channel:
     return grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+
+
+def _register(node: Node, agent) -> reg.PluginInfo:
+    """What kubelet's plugin watcher does once the registration socket appears (it looks
+    every second): GetInfo, then NotifyRegistrationStatus(registered). The plugin's info."""
+    path = node.path("plugins_registry/gpu.nvidia.com-reg.sock")
+    agent.wait_log(f"registration at {path}")
+    with _channel(path) as ch:
+        stub = reg_grpc.RegistrationStub(ch)
+        info = stub.GetInfo(reg.InfoRequest(), timeout=10)
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True),
+                                      timeout=10)
+    return info
 
 
 def test_dra_mode_publishes_the_slice_registers_the_plugin_and_prepares_a_claim(node):
@@ -59,8 +75,6 @@ def test_dra_mode_publishes_the_slice_registers_the_plugin_and_prepares_a_claim(
     with _channel(registration) as ch:
         info = reg_grpc.RegistrationStub(ch).GetInfo(reg.InfoRequest(), timeout=10)
         assert info.endpoint == node.path("plugins/gpu.nvidia.com/dra.sock")
-        reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
-            reg.RegistrationStatus(plugin_registered=True), timeout=10)
     api.claims[("ml", "train")] = {
         "metadata": {"namespace": "ml", "name": "train", "uid": "u-1"},
         "status": {"allocation": {"devices": {"results": [
@@ -79,6 +93,27 @@ def test_dra_mode_publishes_the_slice_registers_the_plugin_and_prepares_a_claim(
     assert node.client.state().resources == {}  # no device-plugin resource registered
     assert agent.stop() == 0
     assert not os.path.exists(registration)
+
+
+def test_the_slice_waits_for_kubelet_to_register_the_plugin(node):
+    """A slice published before kubelet has registered the plugin lets the scheduler place a
+    pod whose prepare kubelet then refuses ("DRA driver gpu.nvidia.com is not registered"),
+    retried only at its next sync of the pod, a minute or more later (seen in `make e2e` after
+    an agent restart). So the agent holds the slice, says so, and publishes it at the
+    registration."""
+    api = KubeApi(NODE)
+    agent = _start(node, api, register=False)
+    agent.wait_log(f"ResourceSlice of {NODE}: published once kubelet registers the DRA plugin")
+    status = node.status_when(lambda s: s.get("dra"), "the DRA status")
+    assert status["dra"]["held"] and status["dra"]["registered"] is None
+    assert SLICE not in api.slices
+    shown = node.status_with("published once kubelet registers the plugin")
+    assert "kubelet has not registered it yet" in shown, shown
+    _register(node, agent)
+    api.wait(lambda: SLICE in api.slices, "the ResourceSlice after the registration")
+    assert len(api.slices[SLICE]["spec"]["devices"]) == len(GPUS)
+    assert not node.status_when(lambda s: s["dra"]["registered"], "registered")["dra"]["held"]
+    assert agent.stop() == 0
 
 
 def test_a_reload_does_not_switch_the_mode(node):
@@ -176,7 +211,6 @@ def test_a_slice_kubelet_deleted_is_published_again_at_the_next_registration(nod
     _start(node, api)
     with _channel(node.path("plugins_registry/gpu.nvidia.com-reg.sock")) as ch:
         stub = reg_grpc.RegistrationStub(ch)
-        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
         with api._cv:
             del api.slices[SLICE]  # as kubelet cleans up after an unregistered driver
         stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=False,
@@ -194,9 +228,6 @@ def test_status_metrics_and_doctor_cover_dra_mode(node):
 
     api = KubeApi(NODE)
     agent = _start(node, api)
-    with _channel(node.path("plugins_registry/gpu.nvidia.com-reg.sock")) as ch:
-        reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
-            reg.RegistrationStatus(plugin_registered=True), timeout=10)
     api.claims[("ml", "train")] = {
         "metadata": {"namespace": "ml", "name": "train", "uid": "u-1"},
         "status": {"allocation": {"devices": {"results": [
@@ -253,6 +284,7 @@ def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tm
         agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
                            "--kubelet-dir", node.root, "--mode", "dra",
                            "--dra-dynamic-mig", "2")
+        _register(node, agent)
         gpu = load_profile("h100-mig")["gpus"][2]
         parts_slice, counters_slice = f"{SLICE}-gpu-{gpu['minor']}", f"{SLICE}-counters"
         api.wait(lambda: parts_slice in api.slices and counters_slice in api.slices,
@@ -336,6 +368,7 @@ def test_an_api_server_older_than_1_36_gets_no_partitions_nor_shares(option):
         api.kubeconfig(node.kubeconfig)
         agent = node.agent("--node-name", NODE, "--cdi-spec-dirs", node.path("cdi"),
                            "--kubelet-dir", node.root, "--mode", "dra", option, "all")
+        _register(node, agent)
         api.wait(lambda: SLICE in api.slices, "the ResourceSlice")
         agent.wait_log(f"agent.{'draDynamicMig' if 'mig' in option else 'draSharedGpus'}: "
                        f"the API server is Kubernetes 1.35;")

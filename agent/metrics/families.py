@@ -158,9 +158,9 @@ def _dra(dra: Any) -> Iterator[Any]:
     generation.add_metric([st["driver"]], st["sliceGeneration"])
     yield generation
     published = GaugeMetricFamily(f"{NS}_dra_slice_published", "1 if the last publication of "
-                                  "the ResourceSlice succeeded (0: retried every 10 s)",
-                                  labels=("driver",))
-    published.add_metric([st["driver"]], 0.0 if st["error"] else 1.0)
+                                  "the ResourceSlice succeeded (0: retried every 10 s, or held "
+                                  "until kubelet registers the plugin)", labels=("driver",))
+    published.add_metric([st["driver"]], 0.0 if st["error"] or st["held"] else 1.0)
     yield published
     tainted = GaugeMetricFamily(f"{NS}_dra_device_tainted", "1 per device tainted in the slice "
                                 "(KEP-5055), with the taint's value and effect",
