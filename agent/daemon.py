@@ -111,8 +111,10 @@ class Daemon:
             gcpause.resume()  # off since agent.__main__: the start keeps nearly all it makes
             self._loop()
         finally:
-            self._shutdown()
-            threading.excepthook = default_hook
+            try:
+                self._shutdown()
+            finally:
+                threading.excepthook = default_hook
         return 1 if self.died else 0
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:

@@ -73,7 +73,7 @@ class DraMode:
         self.on_change = on_change
         self.plugin = DraPlugin(self.claims, kubelet_dir=cfg.kubelet_dir,
                                 on_change=self._plugin_changed)
-        self._registered = False
+        self._registrations = 0  # kubelet's registrations of the plugin acted on
         self.held = False  # a publication waits for kubelet's first registration
         self.error = ""
         self._lock = threading.Lock()  # the devices and one publication at a time
@@ -82,8 +82,9 @@ class DraMode:
         self._thread: threading.Thread | None = None
 
     def apply(self, gpus: list, cfg: Any) -> None:
-        """Read the devices of `gpus` and publish them (here: the daemon's start waits for
-        the first publication); start the kubelet plugin (once)."""
+        """Read the devices of `gpus` and publish them (here, unless kubelet has not
+        registered the plugin yet: then at its registration); start the kubelet plugin
+        (once)."""
         shareable = self._served(_named(gpus, cfg.dra_shared_gpus, "agent.draSharedGpus"),
                                  "agent.draSharedGpus", "consumable capacity",
                                  "DRAConsumableCapacity", "whole")
@@ -130,14 +131,16 @@ class DraMode:
         return set()
 
     def _plugin_changed(self) -> None:
-        """A registration status or a call: on each new registration the slice is read and
-        published again (kubelet may have deleted it while the plugin was unregistered)."""
-        registered = self.plugin.registered is True
-        if registered and not self._registered:
+        """A registration status or a call: on each new registration (a kubelet restart
+        registers the plugin again without unregistering it first) the slice is read and
+        published again (kubelet may have deleted it while the plugin was unregistered), the
+        first one included, which ends the hold."""
+        count = self.plugin.registrations
+        if count != self._registrations or (count and self.held):
+            self._registrations = count
             with self._lock:
                 self.publisher.forget()
             self._due.set()
-        self._registered = registered
         self.on_change()
 
     def set_health(self, health: Mapping[str, tuple[bool, str]],

@@ -206,18 +206,20 @@ def test_a_reboot_class_fault_taints_no_execute_unless_configured_otherwise(node
 
 def test_a_slice_kubelet_deleted_is_published_again_at_the_next_registration(node):
     """kubelet deletes a driver's slices a while after its plugin goes (a restart of the
-    agent re-creates the sockets); each new registration reads the slice again."""
+    agent re-creates the sockets); each new registration reads the slice again: after an
+    unregistration, and after a restarted kubelet's, which comes with none before it."""
     api = KubeApi(NODE)
     _start(node, api)
     with _channel(node.path("plugins_registry/gpu.nvidia.com-reg.sock")) as ch:
         stub = reg_grpc.RegistrationStub(ch)
-        with api._cv:
-            del api.slices[SLICE]  # as kubelet cleans up after an unregistered driver
-        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=False,
-                                                             error="restarting"), timeout=10)
-        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=10)
-    api.wait(lambda: SLICE in api.slices, "the slice published again")
-    assert len(api.slices[SLICE]["spec"]["devices"]) == len(GPUS)
+        for before in ([reg.RegistrationStatus(plugin_registered=False, error="restarting")],
+                       []):
+            with api._cv:
+                del api.slices[SLICE]  # as kubelet cleans up after an unregistered driver
+            for status in [*before, reg.RegistrationStatus(plugin_registered=True)]:
+                stub.NotifyRegistrationStatus(status, timeout=10)
+            api.wait(lambda: SLICE in api.slices, "the slice published again")
+            assert len(api.slices[SLICE]["spec"]["devices"]) == len(GPUS)
 
 
 def test_status_metrics_and_doctor_cover_dra_mode(node):

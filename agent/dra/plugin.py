@@ -117,8 +117,8 @@ class DraPlugin:
         self._servers = []
 
     def notified(self, registered: bool, error: str) -> None:
+        self.registrations += registered  # first: agent.dramode holds its slice until then
         self.registered, self.registration_error = registered, error
-        self.registrations += registered
         self.on_change()
         if registered:
             log.info("DRA driver %s registered with kubelet", self.driver)

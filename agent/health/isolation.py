@@ -245,7 +245,11 @@ class IsolationWatch:
         if self._thread is not None:
             os.write(self._stop_w, b"x")
             self._thread.join(10)
-            self._thread = None
+            alive, self._thread = self._thread.is_alive(), None
+            if alive:  # (held by its sink): it stops once free; closing its pipe under its
+                # select() would end it by an exception, which stops the agent (agent.daemon)
+                log.error("the isolation watch thread did not stop within 10 s")
+                return
         self._unwatch()
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)

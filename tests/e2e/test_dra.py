@@ -470,7 +470,7 @@ def test_claims_of_20gi_share_one_80gb_gpu_by_capacity_and_one_more_of_30gi_wait
         return
     shareable = "device.allowMultipleAllocations"
     # One after another: kube-scheduler 1.37.2 counts a claim it has just allocated twice for
-    # a moment (its informer's copy and its in-flight one until the pod's PreBind ends:
+    # a moment (its assume cache's copy and its in-flight one until the pod's PreBind ends:
     # dra_manager.go GatherAllocatedState, dynamicresources.go prebindSuccessCleanup), and a
     # third 20Gi claim placed in that moment finds 80Gi taken and waits for a requeue that may
     # come minutes later (docs/dra.md, consumable capacity).
