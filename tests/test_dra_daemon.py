@@ -161,8 +161,8 @@ def test_a_withdrawn_gpu_is_tainted_in_the_slice_until_it_is_back(node):
     assert (taint["key"], taint["value"], taint["effect"]) == (
         "gpu.nvidia.com/unhealthy", "xid-48", "NoSchedule")
     assert api.slices[SLICE]["spec"]["pool"]["generation"] == 2
-    status = node.status_when(lambda s: s["dra"]["tainted"], "the taint in the status")
-    assert list(status["dra"]["tainted"]) == [f"gpu-{gpu['minor']}"]
+    # (the status shows a taint in the reboot-class test below, where none goes by itself:
+    # here the status, written up to 1 s after a change, raced the 1 s quiet period on CI)
     api.wait(lambda: not taints(), "the taint removed once the GPU is back")
     assert api.slices[SLICE]["spec"]["pool"]["generation"] == 3
     assert health_of_gpu() == (health.HEALTHY, "")

@@ -74,12 +74,15 @@ def remove_sockets(directory: str) -> list[str]:
 
 
 class _Registration(dp_grpc.RegistrationServicer):
+    """One kubelet instance's Registration service (a restart builds a new one)."""
+
     def __init__(self, manager: DeviceManager):
         self.manager = manager
+        self.generation = manager.generation  # the instance this server belongs to
 
     def Register(self, request, context):
         try:
-            self.manager.register(request)
+            self.manager.register(request, self.generation)
         except SimKubeletError as err:
             _abort(context, err)
         return dp.Empty()
