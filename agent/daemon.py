@@ -59,7 +59,7 @@ class Daemon:
         self.started = time.time()
         self.phase = "starting"
         self.stop_requested = False
-        self.died: list[str] = []  # threads that ended by an exception (_thread_died)
+        self.died = False  # a thread ended by an exception (_thread_died)
         self.nvml = NvmlSession(on_change=self._wake)
         self.state: Any = None  # the allocation journal and its reconciler (AllocationState)
         self.resources = Resources()
@@ -128,7 +128,7 @@ class Daemon:
         log.critical("thread %s died: %s: %s; the agent stops (exit code 1) to be started "
                      "again whole", name, args.exc_type.__name__, args.exc_value,
                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
-        self.died.append(name)
+        self.died = True
         self.last_error = f"thread {name} died: {args.exc_type.__name__}: {args.exc_value}"
         self.stop_requested = True
         self._waiter.wake()

@@ -134,9 +134,10 @@ class DraMode:
         """A registration status or a call: on each new registration (a kubelet restart
         registers the plugin again without unregistering it first) the slice is read and
         published again (kubelet may have deleted it while the plugin was unregistered), the
-        first one included, which ends the hold."""
+        first one included, which ends the hold (agent.dra.plugin counts a registration before
+        it calls this, so a publication that held before the count is followed by this one)."""
         count = self.plugin.registrations
-        if count != self._registrations or (count and self.held):
+        if count != self._registrations:
             self._registrations = count
             with self._lock:
                 self.publisher.forget()

@@ -25,6 +25,7 @@ from agent._proto.dra.v1 import api_pb2 as v1
 from agent._proto.dra.v1 import api_pb2_grpc as v1_grpc
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent.dra.plugin import socket_paths
 from agent.sim import lib_path
 from agent.sim.kubelet import SimKubelet, SimKubeletClient
 from bench import (
@@ -62,10 +63,9 @@ def _claims(work: str, env: dict) -> tuple[list[float], list[float]]:
                    "--kubeconfig", api.kubeconfig(os.path.join(work, "kubeconfig")),
                    "--kubelet-dir", work, "--cdi-spec-dirs", os.path.join(work, "cdi"),
                    "--kubelet-socket", "", "--metrics-address", "")
-    socket = os.path.join(work, "plugins", DRIVER, "dra.sock")
+    socket, registration = socket_paths(work, DRIVER)
     prepare, unprepare = [], []
     try:
-        registration = os.path.join(work, "plugins_registry", f"{DRIVER}-reg.sock")
         wait_until(lambda: os.path.exists(registration), "the registration socket")
         with _channel(registration) as ch:  # as kubelet's plugin watcher: the slice waits for it
             reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(

@@ -19,6 +19,7 @@ from agent._proto.drahealth.v1 import api_pb2 as health
 from agent._proto.drahealth.v1 import api_pb2_grpc as health_grpc
 from agent._proto.pluginregistration.v1 import api_pb2 as reg
 from agent._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent.dra.plugin import socket_paths
 from agent.sim import control
 from agent.sim.profile import load_profile
 from tests.conftest import run_gpu_agent
@@ -55,7 +56,7 @@ def _channel(path: str) -> grpc.Channel:
 def _register(node: Node, agent) -> reg.PluginInfo:
     """What kubelet's plugin watcher does once the registration socket appears (it looks
     every second): GetInfo, then NotifyRegistrationStatus(registered). The plugin's info."""
-    path = node.path("plugins_registry/gpu.nvidia.com-reg.sock")
+    path = socket_paths(node.root)[1]
     agent.wait_log(f"registration at {path}")
     with _channel(path) as ch:
         stub = reg_grpc.RegistrationStub(ch)

@@ -278,17 +278,14 @@ class DeviceManager:
         with self._lock:
             return self._generation
 
-    def register(self, req: dp.RegisterRequest, generation: int | None = None) -> None:
-        """kubelet's Register, received by the instance of `generation` (its server's; None:
-        the current one): raise RegistrationRejected with its reason, or return once the
+    def register(self, req: dp.RegisterRequest, generation: int) -> None:
+        """kubelet's Register, received by the instance of `generation` (its server's): raise RegistrationRejected with its reason, or return once the
         plugin is dialled, its options read and its ListAndWatch stream opened. A Register the
         old instance took just before a restart is refused, not dialled and counted as the new
         instance's: a real kubelet's process ends with its calls."""
         resource, endpoint = req.resource_name, req.endpoint
         with self._lock:
-            if generation is None:
-                generation = self._generation
-            elif generation != self._generation:
+            if generation != self._generation:
                 self._reject(req, "kubelet restarted or stopped after this registration came; "
                                   "register again")
             instance = self.restarts
