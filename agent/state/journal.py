@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 
 # Compact past twice as many entries as live records, and this many: a small one is not worth it
 COMPACT_MIN_ENTRIES = 256
-# New records of the same devices share their GPUs and response with the last one when equal:
-# kept for this many device sets (cleared when full).
+# New records share with the last of their devices (_shared): this many kept, cleared when full
 SHARED_KEPT = 1024
 
 
@@ -140,7 +139,7 @@ class Journal:
         self.earlier_aside = set_aside_files(self.path)
         found = loading.find(self.path, boot=self.boot, keyed_by=self.keyed_by, clock=self.clock)
         with self._lock:
-            self._records = {rid: self._shared(r) for rid, r in found.records.items()}
+            self._records = found.records  # not shared (_shared): the read took that memory
             self._entries, self._size = found.entries, found.size
             self.loaded, self.loaded_boot = len(found.records), found.boot
             self.torn, self.migrated_from = found.torn, found.migrated_from
@@ -237,9 +236,10 @@ class Journal:
         return [r.id for r in records]
 
     def _shared(self, r: Record) -> Record:
-        """`r` holding the GPUs, response and boot of the last record of its devices (made or
-        loaded) where they are equal: the records of one answer hold one copy of them
-        (10,000 Allocates of one answer hold 2.3 MB instead of 8)."""
+        """`r` holding the GPUs, response and boot of the last record of its devices where they
+        are equal: the records of one answer hold one copy of them (10,000 Allocates of one
+        answer hold 2.3 MB instead of 8). Not for records read at start: the read took their
+        memory, and sharing them then gave none back (docs/state.md)."""
         key = (r.resource, r.devices)
         last = self._last.get(key)
         if last is not None:
