@@ -4,7 +4,8 @@ Owns: the list of benchmark modules and the report layout. Sections come from ea
 `run()`; with names given, only those run and the report holds only them, unless `--replace`:
 then their sections replace the same sections of the report and the rest stays. The soak
 (bench/soak.py, `make soak`) runs alone and always replaces only its own section, which the
-other runs keep.
+other runs keep. A benchmark that fails (its traceback printed) is left out and the others'
+sections are written all the same; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import importlib
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from bench import Section, machine
@@ -99,11 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench import soak
 
     old = args.output.read_text() if args.output.exists() else ""
-    sections = []
+    sections, failed = [], []
     for name in names:
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        sections.append(module.run())
+        try:
+            sections.append(module.run())
+        except Exception:  # noqa: BLE001 - one failure keeps the other benchmarks' figures
+            traceback.print_exc()
+            failed.append(name)
     if names == ["soak"] or args.replace:  # these sections replace theirs; the rest stays
         text = old or render([])
         for section in sections:
@@ -124,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(f"wrote {args.output}", file=sys.stderr)
+    if failed:
+        print(f"failed: {' '.join(failed)}: not in {args.output} (their old sections kept with "
+              f"--replace); once mended: python -m bench {' '.join(failed)} --replace",
+              file=sys.stderr)
+        return 1
     return 0
 
 

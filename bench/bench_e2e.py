@@ -89,7 +89,7 @@ def run() -> Section:
     if os.geteuid() != 0:
         section.notes.append("not run: the cluster needs root (kubelet, containerd, mknod)")
         return section
-    cluster = Cluster(version)
+    cluster = Cluster(version, keep=os.environ.get("E2E_KEEP") == "1")  # its logs, as make e2e
     cluster.start()
     try:
         node = E2ENode(cluster, {})
