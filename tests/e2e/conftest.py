@@ -102,6 +102,16 @@ PROBE = ("for f in /dev/nvidia*; do echo node ${f#/dev/}; done; "
          "env | grep -E '^(NVIDIA|CUDA)_' | sed 's/^/env /'; true")
 
 
+# How long a pod may take to run. Not 90 s: kubelet may start a pod with a ResourceClaim only at
+# its resync, 60-90 s after its first try (pkg/kubelet/pod_workers.go, resyncInterval with
+# jitter 0.5), when that try could not read the claim: kube-apiserver's Node authorizer had not
+# yet linked the pod just bound to the node with its claim ("forbidden ... no relationship
+# found"), and kuberuntime_manager.go's SyncPod returns from a failed PrepareDynamicResources
+# without an error, so the pod worker's 10 s back-off is not used (1.37.2; seen in 1 of 20 pod
+# starts of bench_e2e's claims made one after another, docs/dra.md).
+RUNNING_WAIT_S = 150
+
+
 class E2ENode:
     """The cluster's one node, as a test uses it. Each test's agents have a state directory
     and log of their own (an agent started again in the same test keeps them)."""
@@ -276,7 +286,7 @@ class E2ENode:
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{self.logs()}") from None
 
-    def wait_running(self, name: str, timeout: float = 90) -> dict:
+    def wait_running(self, name: str, timeout: float = RUNNING_WAIT_S) -> dict:
         """Until the pod runs; fails at once when it failed (with kubelet's reason)."""
         def running(pod):
             if pod_phase(pod) == "Failed":
