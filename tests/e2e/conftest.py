@@ -55,6 +55,19 @@ def pytest_addoption(parser):
                           "newest under tests/e2e/components)")
 
 
+# What one end-to-end test may take (pyproject's 120 s is the fast suite's): room for a pod that
+# waits for kubelet's resync (RUNNING_WAIT_S) after what its test did before. A test that needs
+# more says so with its own mark.
+TEST_TIMEOUT_S = 300
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def k8s_version(request) -> str:
     version = request.config.getoption("--k8s") or versions()[0]
