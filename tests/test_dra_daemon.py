@@ -327,7 +327,7 @@ def test_a_dynamic_mig_gpu_publishes_its_placements_and_a_claim_gets_one_made(tm
         with _channel(dra_sock) as ch:
             out = v1_grpc.DRAPluginStub(ch).NodeUnprepareResources(
                 v1.NodeUnprepareResourcesRequest(claims=[claim]), timeout=30)
-        assert out.claims["u-1"].error == "", agent.log + open(node.ctl + "/control.log").read()
+        assert out.claims["u-1"].error == "", agent.log + open(os.path.join(node.ctl, control.LOG_NAME)).read()
         assert migs_seen_by_another_process() == []
         assert agent.stop() == 0
 

@@ -115,13 +115,8 @@ PROBE = ("for f in /dev/nvidia*; do echo node ${f#/dev/}; done; "
          "env | grep -E '^(NVIDIA|CUDA)_' | sed 's/^/env /'; true")
 
 
-# How long a pod may take to run. Not 90 s: kubelet may start a pod with a ResourceClaim only at
-# its resync, 60-90 s after its first try (pkg/kubelet/pod_workers.go, resyncInterval with
-# jitter 0.5), when that try could not read the claim: kube-apiserver's Node authorizer had not
-# yet linked the pod just bound to the node with its claim ("forbidden ... no relationship
-# found"), and kuberuntime_manager.go's SyncPod returns from a failed PrepareDynamicResources
-# without an error, so the pod worker's 10 s back-off is not used (1.37.2; seen in 1 of 20 pod
-# starts of bench_e2e's claims made one after another, docs/dra.md).
+# How long a pod may take to run. Not 90 s: kubelet 1.37.2 starts a pod whose claim it could
+# not yet read only at the pod's resync, 60-90 s later (docs/dra.md, the kubelet race).
 RUNNING_WAIT_S = 150
 
 
